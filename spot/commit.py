@@ -1,0 +1,120 @@
+"""The target's transition as pure functions: tokens, confidences, and which positions commit.
+
+`next_block = commit_rule(block, logits, gumbel, k, config)` is the one definition every
+decoder uses. Everything is computed in float64 so that the same inputs give the same
+decision on every batch layout; ties are broken by the lower position index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spot.config import ConfidenceName, DecodingConfig
+
+
+def transfer_schedule(num_masked: int, steps: int) -> list[int]:
+    """Tokens to commit at each step of a block (LLaDA's `get_num_transfer_tokens`):
+    `num_masked` split as evenly as possible over `steps`, the remainder going first."""
+    base, remainder = divmod(num_masked, steps)
+    return [base + (1 if i < remainder else 0) for i in range(steps)]
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None, top_p: float | None
+) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus top-p set to -inf (the last dim is the vocab)."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        remove_sorted = probs.cumsum(dim=-1) - probs > top_p
+        remove = remove_sorted.scatter(-1, sorted_index, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    gumbel: torch.Tensor | None,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    confidence: ConfidenceName = "tempered",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and confidence per position.
+
+    logits: [..., V] (any float dtype; computed in float64), gumbel: [..., V] or None at T=0.
+    Returns tokens [...] (long) and confidence [...] (float64).
+    T=0: argmax of the logits and its softmax probability. T>0: Gumbel-max over the tempered,
+    filtered logits (an exact sample of softmax(filtered(logits / T))); confidence is that
+    distribution's probability of the token ("tempered", SDAR/Dream) or the plain softmax
+    probability ("untempered", LLaDA).
+    """
+    logits = logits.to(torch.float64)
+    if temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if gumbel is None:
+        raise ValueError("temperature > 0 needs Gumbel noise")
+    tempered = filter_logits(logits / temperature, top_k, top_p)
+    tokens = (tempered + gumbel.to(tempered.device)).argmax(dim=-1)
+    reference = tempered if confidence == "tempered" else logits
+    probs = torch.softmax(reference, dim=-1)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def select_commits(
+    confidence: torch.Tensor,
+    masked: torch.Tensor,
+    k: torch.Tensor,
+    rule: str,
+    threshold: float,
+) -> torch.Tensor:
+    """Which positions commit this step.
+
+    confidence: [N, B] float64, masked: [N, B] bool, k: [N] long (static count for this step).
+    Returns [N, B] bool, always a subset of `masked`, never empty where anything is masked.
+    """
+    score = confidence.masked_fill(~masked, float("-inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    num_masked = masked.sum(dim=-1)
+    if rule == "static":
+        count = torch.minimum(k, num_masked)
+        return masked & (rank < count.unsqueeze(-1))
+    if rule == "threshold":
+        return masked & ((rank == 0) | (score >= threshold))
+    if rule == "sdar_dynamic":
+        high = masked & (score > threshold)
+        count = torch.minimum(k, num_masked)
+        use_high = high.sum(dim=-1) >= count
+        top = masked & (rank < count.unsqueeze(-1))
+        return torch.where(use_high.unsqueeze(-1), high, top)
+    raise ValueError(f"unknown commit rule {rule!r}")
+
+
+def commit_rule(
+    block: torch.Tensor,
+    logits: torch.Tensor,
+    gumbel: torch.Tensor | None,
+    k: torch.Tensor,
+    config: DecodingConfig,
+    mask_id: int,
+    confidence: ConfidenceName,
+) -> torch.Tensor:
+    """The target's next block state.
+
+    block: [N, B] tokens with mask_id where still masked; logits: [N, B, V] the target's
+    logits for that state; gumbel: [N, B, V] noise of each row's step (None at T=0);
+    k: [N] static count of each row's step. Returns the next block state [N, B].
+    """
+    tokens, conf = sample_tokens(
+        logits, gumbel, config.temperature, config.top_k, config.top_p, confidence
+    )
+    masked = block == mask_id
+    commit = select_commits(conf, masked, k.to(block.device), config.rule, config.threshold)
+    return torch.where(commit, tokens.to(block.device), block)
