@@ -19,9 +19,7 @@ def transfer_schedule(num_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < remainder else 0) for i in range(steps)]
 
 
-def filter_logits(
-    logits: torch.Tensor, top_k: int | None, top_p: float | None
-) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
     """Set logits outside the top-k / nucleus top-p set to -inf (the last dim is the vocab)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]

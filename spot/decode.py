@@ -12,8 +12,9 @@ The engine speaks token ids only; it knows nothing of tokenizers or files.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

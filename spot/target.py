@@ -9,8 +9,9 @@ being decoded. One `score` call takes the windows of many requests, many per req
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 

@@ -7,8 +7,8 @@ own transitions through the tree as far as they match a drafted child exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
