@@ -72,6 +72,13 @@ class DraftInput:
         return noise.gumbel(self.config.seed, self.key, step, tuple(self.stale_logits.shape))
 
 
+class Trace(Protocol):
+    def __call__(self, index: int, state: State, logits: torch.Tensor, successor: State) -> None:
+        """Called for every state of the target's own trajectory, in order: request index,
+        the state, its exact logits [B, V] and its exact successor."""
+        ...
+
+
 class Drafter(Protocol):
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         """One tree per input, rooted at input.root (node 0)."""
@@ -95,6 +102,7 @@ def generate(
     requests: Sequence[Request],
     config: DecodingConfig,
     drafter: Drafter | None = None,
+    trace: Trace | None = None,
 ) -> list[Result]:
     """Decode a batch of requests; finished requests leave the batch."""
     start = time.perf_counter()
@@ -113,6 +121,9 @@ def generate(
             nodes = len(tree.nodes)
             path = verify_walk(tree, successors[offset : offset + nodes])
             last = path[-1]
+            if trace is not None:
+                for n in path:
+                    trace(a.index, tree.nodes[n], scores.logits[offset + n], successors[offset + n])
             a.stats.nfe += 1
             a.stats.steps += len(path)
             a.stats.tree_nodes += nodes

@@ -51,6 +51,7 @@ class ToyTarget:
         ctx = torch.tanh(h.mean(0) @ self.mix)
         left = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
         logits = self.sharpness * torch.tanh(h + ctx + 0.5 * left) @ self.out
+        logits[:, self.eos_ids[0]] -= self.sharpness  # EOS now and then, not everywhere
         # the mask token is never predicted
         return torch.cat([logits, torch.full((seq.numel(), 1), -1e9, dtype=logits.dtype)], -1)
 

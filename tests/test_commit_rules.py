@@ -1,0 +1,101 @@
+"""Commit rules and coupled noise, with hand-built logits whose outcome is obvious."""
+
+import math
+
+import torch
+
+from spot import noise
+from spot.commit import filter_logits, sample_tokens, select_commits, transfer_schedule
+
+NEG = float("-inf")
+
+
+def test_transfer_schedule_matches_llada_split():
+    assert transfer_schedule(10, 4) == [3, 3, 2, 2]
+    assert transfer_schedule(32, 32) == [1] * 32
+    assert transfer_schedule(32, 16) == [2] * 16
+    assert transfer_schedule(3, 8) == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def test_argmax_and_confidence_at_t0():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]]])
+    tokens, conf = sample_tokens(logits, None, 0.0)
+    assert tokens.tolist() == [[1, 0]]
+    expected = torch.softmax(logits.double(), -1).amax(-1)
+    assert torch.equal(conf, expected)
+
+
+def test_static_rule_picks_k_most_confident_masked_with_lower_index_on_ties():
+    conf = torch.tensor([[0.9, 0.5, 0.5, 0.7]], dtype=torch.float64)
+    masked = torch.tensor([[False, True, True, True]])
+    one = select_commits(conf, masked, torch.tensor([1]), "static", 0.9)
+    assert one.tolist() == [[False, False, False, True]]
+    two = select_commits(conf, masked, torch.tensor([2]), "static", 0.9)
+    assert two.tolist() == [[False, True, False, True]]  # tie 0.5/0.5: lower index wins
+    many = select_commits(conf, masked, torch.tensor([9]), "static", 0.9)
+    assert many.tolist() == [[False, True, True, True]]
+
+
+def test_threshold_rule_commits_confident_set_and_always_the_best():
+    conf = torch.tensor([[0.95, 0.91, 0.2, 0.9], [0.3, 0.2, 0.1, 0.4]], dtype=torch.float64)
+    masked = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    got = select_commits(conf, masked, torch.tensor([1, 1]), "threshold", 0.9)
+    assert got.tolist() == [[False, True, False, True], [False, False, False, True]]
+
+
+def test_sdar_dynamic_rule_falls_back_to_top_k():
+    conf = torch.tensor([[0.95, 0.5, 0.4, 0.3], [0.95, 0.96, 0.4, 0.3]], dtype=torch.float64)
+    masked = torch.ones(2, 4, dtype=torch.bool)
+    got = select_commits(conf, masked, torch.tensor([2, 2]), "sdar_dynamic", 0.9)
+    assert got.tolist() == [[True, True, False, False], [True, True, False, False]]
+    got = select_commits(conf, masked, torch.tensor([1, 1]), "sdar_dynamic", 0.9)
+    assert got.tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
+    assert torch.isinf(filter_logits(logits, 2, None)).tolist() == [False, False, True, True]
+    kept = ~torch.isinf(filter_logits(logits, None, 0.7))
+    assert kept.tolist() == [True, True, False, False]
+    kept = ~torch.isinf(filter_logits(logits, None, 0.4))
+    assert kept.tolist() == [True, False, False, False]
+
+
+def test_noise_is_keyed_not_streamed():
+    a = noise.gumbel(7, noise.request_key("row-1"), 3, (4, 5))
+    b = noise.gumbel(7, noise.request_key("row-1"), 3, (4, 5))
+    c = noise.gumbel(7, noise.request_key("row-1"), 4, (4, 5))
+    d = noise.gumbel(7, noise.request_key("row-1", sample_index=1), 3, (4, 5))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c) and not torch.equal(a, d)
+    assert noise.request_key("row-1") == noise.request_key("row-1")
+    assert noise.request_key("row-1") != noise.request_key("row-2")
+
+
+def test_request_key_is_stable_across_processes_and_versions():
+    # blake2b of the id: changing this breaks reproducibility of every written corpus
+    assert noise.request_key("q-0") == 7390136665158179620
+    assert noise.request_key(17, 2) == noise.request_key("17", 2)
+
+
+def test_gumbel_max_samples_the_tempered_softmax():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]], dtype=torch.float64)
+    temperature = 0.8
+    draws = 4000
+    counts = torch.zeros(4)
+    for step in range(draws):
+        g = noise.gumbel(0, 123, step, (1, 4))[None]
+        token, _ = sample_tokens(logits, g, temperature)
+        counts[int(token)] += 1
+    expected = torch.softmax(logits[0, 0] / temperature, -1) * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (counts, expected)  # p = 0.001 with 3 degrees of freedom
+
+
+def test_confidence_kinds_at_positive_temperature():
+    logits = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=torch.float64)
+    g = torch.zeros(1, 1, 3, dtype=torch.float64)
+    _, tempered = sample_tokens(logits, g, 0.5, confidence="tempered")
+    _, plain = sample_tokens(logits, g, 0.5, confidence="untempered")
+    assert math.isclose(float(tempered), float(torch.softmax(logits[0, 0] / 0.5, -1)[0]))
+    assert math.isclose(float(plain), float(torch.softmax(logits[0, 0], -1)[0]))
