@@ -60,9 +60,14 @@ class Layout:
         return block
 
     def commit_count(self, block_start: int, block_step: int) -> int:
-        """Static commit count k at step `block_step` of the block starting at `block_start`."""
-        masked = self.block_length - max(0, self.prompt_length - block_start)
-        schedule = transfer_schedule(masked, self.steps_per_block)
+        """Static commit count k at step `block_step` of the block starting at `block_start`.
+
+        The schedule splits the whole block_length over steps_per_block for every block. With
+        an absolute grid the prompt's partial first block keeps that schedule, as SDAR's and
+        LLaDA2.0's `generate` do, and so finishes in fewer steps (the rule commits at most the
+        masked positions); re-splitting its masked count would commit other positions at T=0.
+        """
+        schedule = transfer_schedule(self.block_length, self.steps_per_block)
         return schedule[block_step] if block_step < len(schedule) else self.block_length
 
     def ends_request(self, block_start: int, block: torch.Tensor) -> bool:

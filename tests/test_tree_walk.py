@@ -97,7 +97,8 @@ def test_absolute_grid_keeps_the_prompt_tail_in_the_first_block():
     assert (lay.first_block, lay.total_length) == (4, 16)
     block = lay.initial_block(torch.tensor([9, 9, 9, 9, 7, 8]))
     assert block.tolist() == [7, 8, M, M]
-    assert [lay.commit_count(4, s) for s in range(4)] == [1, 1, 0, 0]
+    # the whole block's schedule, as in SDAR/LLaDA2.0; only two positions are masked
+    assert [lay.commit_count(4, s) for s in range(4)] == [1, 1, 1, 1]
     # an EOS inside the prompt tail does not end the request
     assert not lay.ends_request(4, torch.tensor([EOS, 8, 1, 2]))
     assert lay.ends_request(4, torch.tensor([7, 8, EOS, 2]))
