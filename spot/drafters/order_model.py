@@ -1,0 +1,128 @@
+"""SPOT's order model: which masked position does the target commit next?
+
+A small transformer encoder over the block's positions that reads only model-agnostic
+features of the *stale* distribution (the target's last exact forward) and of a hypothesis
+state a few steps ahead, so one checkpoint can serve targets of any width or vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from spot.commit import sample_tokens
+
+
+@dataclass(frozen=True)
+class OrderModelConfig:
+    top_k: int = 32  # stale probabilities per position
+    d_model: int = 128
+    num_layers: int = 3
+    num_heads: int = 8
+    ff_size: int = 512
+    max_block_length: int = 64
+    max_lookahead: int = 8
+
+    @property
+    def num_features(self) -> int:
+        # top-k probs, masked, assumed-committed, coupled-noise confidence, step fraction, depth
+        return self.top_k + 5
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def stale_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k untempered probabilities [..., k] (float32, descending) and their ids [..., k];
+    zero-padded when the vocabulary is smaller than k."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    pad = k - top.values.shape[-1]
+    return (
+        torch.nn.functional.pad(top.values.float(), (0, pad)),
+        torch.nn.functional.pad(top.indices, (0, pad)),
+    )
+
+
+def noisy_confidence(
+    top_probs: torch.Tensor,
+    top_ids: torch.Tensor,
+    gumbel: torch.Tensor | None,
+    temperature: float,
+    confidence: str,
+) -> torch.Tensor:
+    """The stale confidence of the token the coupled noise picks, per position.
+
+    top_probs/top_ids: [..., K] the stale distribution's top-k; gumbel: [..., V] noise of the
+    hypothesis step (None at T=0). Restricted to the top-k (tokens outside it win rarely), this
+    is what the target's own confidence will be if its distribution has not moved.
+    Returns [...] float32.
+    """
+    logp = top_probs.double().clamp_min(1e-30).log()
+    if gumbel is None or temperature == 0.0:
+        return top_probs[..., 0].float()
+    noise = gumbel.gather(-1, top_ids.long())
+    _, conf = sample_tokens(logp, noise, temperature, confidence=confidence)
+    return conf.float()
+
+
+def order_features(
+    top_probs: torch.Tensor,
+    masked: torch.Tensor,
+    assumed: torch.Tensor,
+    noisy_conf: torch.Tensor,
+    step_fraction: torch.Tensor,
+    depth: torch.Tensor,
+    config: OrderModelConfig,
+) -> torch.Tensor:
+    """Per-position inputs [N, B, F].
+
+    top_probs [N, B, K] stale top-k probabilities; masked [N, B] still masked in the hypothesis;
+    assumed [N, B] committed by the hypothesis since the stale forward; noisy_conf [N, B];
+    step_fraction [N] transitions taken in the block / steps per block; depth [N] hypothesis
+    steps ahead of the stale forward.
+    """
+    n, b, _ = top_probs.shape
+    return torch.cat(
+        [
+            top_probs.float(),
+            masked.float().unsqueeze(-1),
+            assumed.float().unsqueeze(-1),
+            noisy_conf.float().unsqueeze(-1),
+            step_fraction.float().view(n, 1, 1).expand(n, b, 1),
+            (depth.float() / config.max_lookahead).view(n, 1, 1).expand(n, b, 1),
+        ],
+        dim=-1,
+    )
+
+
+class OrderModel(nn.Module):
+    """Features [N, B, F] + masked [N, B] -> logits over the next committed position [N, B]
+    (-inf where not masked)."""
+
+    def __init__(self, config: OrderModelConfig):
+        super().__init__()
+        self.config = config
+        self.input = nn.Linear(config.num_features, config.d_model)
+        self.position = nn.Embedding(config.max_block_length, config.d_model)
+        layer = nn.TransformerEncoderLayer(
+            config.d_model,
+            config.num_heads,
+            config.ff_size,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, 1)
+
+    def forward(self, features: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        b = features.shape[1]
+        positions = torch.arange(b, device=features.device)
+        h = self.input(features) + self.position(positions)
+        h = self.norm(self.encoder(h))
+        logits = self.head(h).squeeze(-1)
+        return logits.masked_fill(~masked, float("-inf"))

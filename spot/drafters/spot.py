@@ -1,0 +1,174 @@
+"""The SPOT drafter: grow a tree of block states from the order model's predictions.
+
+Best-first under a node budget: a candidate is (parent node, next committed position), scored
+by the product along its path of the order model's probability and the drafted token's stale
+probability. Drafted tokens come from the stale logits under the coupled noise of the step
+they would be committed at, so at T>0 they match the target's own draw whenever its
+distribution has not moved. Expansion runs in rounds so that the order model is evaluated on
+all new nodes of all requests in one batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from spot.commit import sample_tokens
+from spot.decode import DraftInput
+from spot.drafters.order_model import (
+    OrderModel,
+    noisy_confidence,
+    order_features,
+    stale_top,
+)
+from spot.tree import DraftTree, State, advance
+
+
+@dataclass
+class _Growing:
+    """One request's tree while it grows."""
+
+    inp: DraftInput
+    top_probs: torch.Tensor  # [B, K]
+    top_ids: torch.Tensor  # [B, K]
+    stale_masked: torch.Tensor  # [B]
+    nodes: list[State]
+    parent: list[int]
+    score: list[float]
+    heap: list[tuple[float, int, int, int]] = field(default_factory=list)
+    order: itertools.count = field(default_factory=itertools.count)
+    drafted: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    gumbels: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def gumbel(self, step: int) -> torch.Tensor | None:
+        if step not in self.gumbels:
+            self.gumbels[step] = self.inp.gumbel(step)
+        return self.gumbels[step]
+
+    def tokens_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafted tokens [B] and their stale confidences [B] for a commit at `step`."""
+        if step not in self.drafted:
+            c = self.inp.config
+            g = self.gumbel(step)
+            self.drafted[step] = sample_tokens(
+                self.inp.stale_logits, g, c.temperature, c.top_k, c.top_p, self.inp.confidence
+            )
+        return self.drafted[step]
+
+
+class SpotDrafter:
+    """Order-model drafter for the static commit rule."""
+
+    def __init__(
+        self,
+        model: OrderModel,
+        budget: int,
+        per_round: int = 4,
+        branching: int = 4,
+    ):
+        self.model = model.eval()
+        self.budget = budget
+        self.per_round = per_round
+        self.branching = branching
+
+    @torch.no_grad()
+    def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
+        growing: list[_Growing | None] = [self._start(inp) for inp in inputs]
+        frontier = [(g, 0) for g in growing if g is not None]
+        while frontier:
+            self._push_candidates(frontier)
+            frontier = []
+            for g in growing:
+                if g is None:
+                    continue
+                for _ in range(self.per_round):
+                    if len(g.nodes) - 1 >= self.budget or not g.heap:
+                        break
+                    node = self._expand(g)
+                    if self._in_stale_block(g, g.nodes[node]):
+                        frontier.append((g, node))
+        return [
+            DraftTree.single(inp.root) if g is None else DraftTree(tuple(g.nodes), tuple(g.parent))
+            for inp, g in zip(inputs, growing)
+        ]
+
+    @staticmethod
+    def _in_stale_block(g: _Growing, node: State) -> bool:
+        """Only states of the stale forward's block can be drafted further from it."""
+        b = g.inp.layout.block_length
+        return not node.done and node.block_start(b) == g.inp.stale_state.block_start(b)
+
+    def _start(self, inp: DraftInput) -> _Growing | None:
+        b = inp.layout.block_length
+        if self.budget == 0 or inp.root.done:
+            return None
+        if inp.root.block_start(b) != inp.stale_state.block_start(b):
+            return None  # the stale logits belong to the previous block
+        if inp.config.rule != "static":
+            raise ValueError("the SPOT order drafter serves the static rule; use spot-sets")
+        top_probs, top_ids = stale_top(inp.stale_logits, self.model.config.top_k)
+        stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
+        return _Growing(inp, top_probs, top_ids, stale_masked, [inp.root], [-1], [0.0])
+
+    def _push_candidates(self, frontier: list[tuple[_Growing, int]]) -> None:
+        """Evaluate the order model on the new nodes of all requests at once."""
+        feats, masks = [], []
+        for g, n in frontier:
+            inp, node = g.inp, g.nodes[n]
+            b = inp.layout.block_length
+            block = node.block(b)
+            masked = block == inp.layout.mask_id
+            conf = noisy_confidence(
+                g.top_probs,
+                g.top_ids,
+                g.gumbel(node.step),
+                inp.config.temperature,
+                inp.confidence,
+            )
+            feats.append(
+                order_features(
+                    g.top_probs[None],
+                    masked[None],
+                    (g.stale_masked & ~masked)[None],
+                    conf[None],
+                    torch.tensor([node.block_step / inp.layout.steps_per_block]),
+                    torch.tensor([node.step - inp.stale_state.step]),
+                    self.model.config,
+                )
+            )
+            masks.append(masked[None])
+        logits = self.model(torch.cat(feats), torch.cat(masks))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        for (g, n), row in zip(frontier, logp):
+            finite = torch.isfinite(row)
+            count = min(self.branching, int(finite.sum()))
+            best = torch.topk(row, count)
+            for value, pos in zip(best.values.tolist(), best.indices.tolist()):
+                score = g.score[n] + value
+                heapq.heappush(g.heap, (-score, next(g.order), n, pos))
+
+    def _expand(self, g: _Growing) -> int:
+        """Pop the best candidate and add its state as a node; returns the node index."""
+        neg_score, _, parent, pos = heapq.heappop(g.heap)
+        node = g.nodes[parent]
+        layout = g.inp.layout
+        b = layout.block_length
+        k = layout.commit_count(node.block_start(b), node.block_step)
+        tokens, conf = g.tokens_at(node.step)
+        block = node.block(b).clone()
+        masked = (block == layout.mask_id).nonzero().flatten().tolist()
+        chosen = [pos] + [p for p in sorted(masked, key=lambda p: -float(conf[p])) if p != pos][
+            : max(k, 1) - 1
+        ]
+        block[chosen] = tokens[chosen]
+        token_logp = sum(math.log(max(float(conf[p]), 1e-30)) for p in chosen)
+        child = advance(layout, node, block)
+        g.nodes.append(child)
+        g.parent.append(parent)
+        g.score.append(-neg_score + token_logp)
+        return len(g.nodes) - 1

@@ -1,0 +1,138 @@
+"""Training SPOT's order model on recorded draft-free trajectories.
+
+A sample pairs a stale forward (record i) with a hypothesis j steps later in the same block
+(record i+j, 1 <= j <= max_lookahead): the features are record i's distribution and record
+i+j's mask, the label is what record i+j committed. This is exactly what the drafter sees at
+depth j of a tree grown from the stale logits of record i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from spot import noise
+from spot.drafters.order_model import (
+    OrderModel,
+    OrderModelConfig,
+    noisy_confidence,
+    order_features,
+)
+from spot.drafters.trajectory import Trajectories
+
+
+@dataclass(frozen=True)
+class OrderSamples:
+    features: torch.Tensor  # [N, B, F]
+    masked: torch.Tensor  # [N, B] bool
+    label: torch.Tensor  # [N, B] bool, positions committed next
+
+
+def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
+    meta = traj.meta
+    steps_per_block = int(meta["steps_per_block"])
+    temperature = float(meta.get("temperature", 0.0))
+    confidence = meta.get("confidence", "tempered")
+    seed = int(meta.get("seed", 0))
+    pairs = []
+    n = traj.segment.numel()
+    for j in range(1, config.max_lookahead + 1):
+        i = torch.arange(n - j)
+        same = traj.segment[i] == traj.segment[i + j]
+        pairs.append(torch.stack([i[same], i[same] + j], dim=1))
+    pairs = torch.cat(pairs)
+    stale, hyp = pairs[:, 0], pairs[:, 1]
+    top_probs = traj.top_probs[stale].float()
+    top_ids = traj.top_ids[stale]
+    masked = traj.masked[hyp]
+    assumed = traj.masked[stale] & ~masked
+    if temperature == 0.0:
+        conf = top_probs[..., 0]
+    else:
+        vocab = int(meta["vocab_size"])
+        b = traj.block_length
+        conf = torch.stack(
+            [
+                noisy_confidence(
+                    top_probs[r],
+                    top_ids[r],
+                    noise.gumbel(seed, int(traj.key[h]), int(traj.step[h]), (b, vocab)),
+                    temperature,
+                    confidence,
+                )
+                for r, h in enumerate(hyp.tolist())
+            ]
+        )
+    features = order_features(
+        top_probs,
+        masked,
+        assumed,
+        conf,
+        traj.block_step[hyp].float() / steps_per_block,
+        (hyp - stale).float(),
+        config,
+    )
+    return OrderSamples(features, masked, traj.committed[hyp])
+
+
+def committed_log_likelihood(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """log P(next position is one of the committed ones), per sample [N]."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.logsumexp(logp.masked_fill(~label, float("-inf")), dim=-1)
+
+
+@torch.no_grad()
+def next_commit_accuracy(model: OrderModel, samples: OrderSamples, batch: int = 4096) -> float:
+    """Fraction of samples whose most likely position is one the target commits next."""
+    hits = 0
+    for s in range(0, samples.label.shape[0], batch):
+        logits = model(samples.features[s : s + batch], samples.masked[s : s + batch])
+        best = logits.argmax(dim=-1)
+        hits += int(samples.label[s : s + batch].gather(1, best[:, None]).sum())
+    return hits / max(1, samples.label.shape[0])
+
+
+def train_order_model(
+    train: OrderSamples,
+    heldout: OrderSamples,
+    config: OrderModelConfig,
+    epochs: int = 4,
+    batch_size: int = 256,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[OrderModel, dict]:
+    """AdamW with cosine decay; returns the model and its held-out metrics."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # parameter init only; the caller's RNG state is untouched
+        model = OrderModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    n = train.label.shape[0]
+    total = epochs * max(1, -(-n // batch_size))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
+    step = 0
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=g)
+        for s in range(0, n, batch_size):
+            idx = order[s : s + batch_size]
+            logits = model(train.features[idx], train.masked[idx])
+            loss = -committed_log_likelihood(logits, train.label[idx]).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if progress is not None:
+                progress(step, total, float(loss))
+    model.eval()
+    metrics = {
+        "heldout_next_commit_accuracy": next_commit_accuracy(model, heldout),
+        "train_next_commit_accuracy": next_commit_accuracy(model, train),
+        "heldout_samples": int(heldout.label.shape[0]),
+        "train_samples": int(n),
+    }
+    return model, metrics

@@ -1,0 +1,122 @@
+"""Recording the target's own draft-free trajectories: what drafters learn or calibrate from.
+
+One record per transition s_i -> s_{i+1} of the target's decoding (a `spot.decode.Trace`):
+the target's exact distribution at s_i (top-k ids and probabilities per block position), which
+positions were masked at s_i, and which committed, with which token. A *segment* is one block
+of one request; its records are consecutive, so the state a few steps ahead of s_i is s_i's
+mask minus the commits in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spot.drafters.order_model import stale_top
+from spot.tree import State
+
+TOP_K = 32
+_FIELDS = (
+    "top_probs",
+    "top_ids",
+    "masked",
+    "committed",
+    "tokens",
+    "segment",
+    "block_step",
+    "step",
+    "key",
+)
+
+
+@dataclass(frozen=True)
+class Trajectories:
+    """Flat tensors over S recorded transitions of blocks of length B."""
+
+    top_probs: torch.Tensor  # [S, B, K] float16, untempered softmax, descending
+    top_ids: torch.Tensor  # [S, B, K] int32 token ids of top_probs
+    masked: torch.Tensor  # [S, B] bool, masked at s_i
+    committed: torch.Tensor  # [S, B] bool, committed in s_i -> s_{i+1}
+    tokens: torch.Tensor  # [S, B] int32, the committed tokens (-1 elsewhere)
+    segment: torch.Tensor  # [S] int32, one id per (request, block)
+    block_step: torch.Tensor  # [S] int32, transitions already taken in the block
+    step: torch.Tensor  # [S] int64, transitions already taken in the request (noise counter)
+    key: torch.Tensor  # [S] int64, the request's coupled-noise key
+    meta: dict
+
+    @property
+    def block_length(self) -> int:
+        return self.masked.shape[1]
+
+    def save(self, path: str | Path) -> None:
+        torch.save({name: getattr(self, name) for name in _FIELDS} | {"meta": self.meta}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trajectories:
+        return cls(**torch.load(path, weights_only=True))
+
+    def split(self, fraction: float) -> tuple[Trajectories, Trajectories]:
+        """(train, held-out) by segment, the last `fraction` of segments held out."""
+        segments = self.segment.unique()
+        cut = segments[int(len(segments) * (1 - fraction))]
+        keep = self.segment < cut
+        return self._select(keep), self._select(~keep)
+
+    def _select(self, rows: torch.Tensor) -> Trajectories:
+        return Trajectories(**{n: getattr(self, n)[rows] for n in _FIELDS}, meta=self.meta)
+
+
+class TrajectoryRecorder:
+    """A `spot.decode.Trace` that keeps what drafters need; `result()` stacks it."""
+
+    def __init__(self, keys: list[int], block_length: int, mask_id: int, top_k: int = TOP_K):
+        self.keys = keys  # noise key of each request index of the current generate() call
+        self.block_length = block_length
+        self.mask_id = mask_id
+        self.top_k = top_k
+        self._rows: list[tuple] = []
+        self._segments: dict[tuple[int, int], int] = {}
+
+    def __call__(self, index: int, state: State, logits: torch.Tensor, successor: State) -> None:
+        b = self.block_length
+        width = state.span.numel()
+        before = state.block(b)
+        after = successor.span[width - b : width]
+        top_probs, top_ids = stale_top(logits, self.top_k)
+        masked = before == self.mask_id
+        committed = masked & (after != self.mask_id)
+        tokens = torch.where(committed, after, torch.full_like(after, -1))
+        key = (self.keys[index], state.block_start(b))
+        segment = self._segments.setdefault(key, len(self._segments))
+        self._rows.append(
+            (
+                top_probs.to(torch.float16).cpu(),
+                top_ids.to(torch.int32).cpu(),
+                masked.cpu(),
+                committed.cpu(),
+                tokens.to(torch.int32).cpu(),
+                segment,
+                state.block_step,
+                state.step,
+                self.keys[index],
+            )
+        )
+
+    def result(self, meta: dict) -> Trajectories:
+        """All records, each segment's consecutive and in step order."""
+        rows = sorted(self._rows, key=lambda r: (r[5], r[6]))
+        cols = list(zip(*rows))
+        return Trajectories(
+            top_probs=torch.stack(cols[0]),
+            top_ids=torch.stack(cols[1]),
+            masked=torch.stack(cols[2]),
+            committed=torch.stack(cols[3]),
+            tokens=torch.stack(cols[4]),
+            segment=torch.tensor(cols[5], dtype=torch.int32),
+            block_step=torch.tensor(cols[6], dtype=torch.int32),
+            step=torch.tensor(cols[7], dtype=torch.int64),
+            key=torch.tensor(cols[8], dtype=torch.int64),
+            meta=meta,
+        )
