@@ -10,6 +10,7 @@ import torch
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
 from spot.drafters.order_model import OrderModel, OrderModelConfig
+from spot.drafters.spiffy import DraftGraph, SpiffyDrafter, calibrate
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.train_order import build_samples, train_order_model
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
@@ -77,3 +78,45 @@ def test_trajectories_roundtrip_and_trained_model_saves_forwards(tmp_path):
     nfe_plain = sum(r.stats.nfe for r in plain)
     nfe_drafted = sum(r.stats.nfe for r in drafted)
     assert nfe_drafted < 0.7 * nfe_plain, (nfe_drafted, nfe_plain)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_spiffy_graph_calibrates_and_changes_nothing(tmp_path, temperature):
+    target = ToyTarget(seed=3, sharpness=4.0)
+    config = DecodingConfig(gen_length=32, block_length=8, temperature=temperature, seed=4)
+    graph = calibrate(record(target, requests(16, seed=5), config), budget=8, max_depth=4)
+    assert len(graph.paths) == 8
+    assert all(p[:-1] in graph.paths or len(p) == 1 for p in graph.paths)  # prefix-closed
+    assert list(graph.counts)[0] == max(graph.counts)
+    graph.save(tmp_path / "g.json")
+    assert DraftGraph.load(tmp_path / "g.json").paths == graph.paths
+    reqs = requests(6, seed=9, offset=100)
+    plain = generate(target, reqs, config)
+    for keep in (None, 3):
+        drafted = generate(target, reqs, config, drafter=SpiffyDrafter(graph, keep=keep))
+        assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+        assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
+        limit = 1 + (keep or 8)
+        assert all(r.stats.tree_nodes <= limit * r.stats.nfe for r in drafted)
+
+
+def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
+    # root with 3 masked positions whose stale confidences rank 2 > 0 > 1
+    from spot.decode import DraftInput
+    from spot.tree import Layout, State
+
+    layout = Layout.for_prompt(4, 4, 4, 4, False, 11, (10,))
+    logits = torch.full((4, 12), -5.0)
+    logits[0, 3], logits[1, 4], logits[2, 5], logits[3, 6] = 2.0, 1.0, 3.0, 4.0
+    stale = State(4, torch.tensor([11, 11, 11, 11]), 0, 0)
+    root = State(4, torch.tensor([11, 11, 11, 6]), 1, 1)
+    inp = DraftInput(layout, root, stale, logits, 0, DecodingConfig(4, 4), "untempered")
+    graph = DraftGraph((((0, 0),), ((1, 0),), ((0, 0), (0, 0))), (5, 3, 2), {})
+    tree = SpiffyDrafter(graph).propose([inp])[0]
+    assert [n.block(4).tolist() for n in tree.nodes] == [
+        [11, 11, 11, 6],
+        [11, 11, 5, 6],  # rank 0: position 2, its top token
+        [3, 11, 11, 6],  # rank 1: position 0
+        [3, 11, 5, 6],  # then rank 0 of what is left: position 0
+    ]
+    assert tree.parent == (-1, 0, 0, 1)
