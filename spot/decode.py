@@ -79,6 +79,13 @@ class Trace(Protocol):
         ...
 
 
+class WalkObserver(Protocol):
+    def __call__(self, index: int, tree: DraftTree, path: list[int]) -> None:
+        """Called after every verification walk: request index, the scored tree, the
+        accepted node indices (root first)."""
+        ...
+
+
 class Drafter(Protocol):
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         """One tree per input, rooted at input.root (node 0)."""
@@ -103,6 +110,7 @@ def generate(
     config: DecodingConfig,
     drafter: Drafter | None = None,
     trace: Trace | None = None,
+    on_walk: WalkObserver | None = None,
 ) -> list[Result]:
     """Decode a batch of requests; finished requests leave the batch."""
     start = time.perf_counter()
@@ -121,6 +129,8 @@ def generate(
             nodes = len(tree.nodes)
             path = verify_walk(tree, successors[offset : offset + nodes])
             last = path[-1]
+            if on_walk is not None:
+                on_walk(a.index, tree, path)
             if trace is not None:
                 for n in path:
                     trace(a.index, tree.nodes[n], scores.logits[offset + n], successors[offset + n])

@@ -1,0 +1,123 @@
+"""Choosing the draft budget from a cost model: more verified states are not free.
+
+Throughput is steps per second = E[steps per forward | budget D] / cost(forward of the batch's
+trees). The first factor is the drafter's measured acceptance curve (stored with the drafter);
+the second is measured on this machine for this target at start-up. Budget 0 (draft-free) is a
+legal outcome.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spot.target import Target, Window
+from spot.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class AcceptanceCurve:
+    """Mean steps advanced per forward when the tree holds the first D drafted nodes."""
+
+    budgets: tuple[int, ...]
+    steps_per_forward: tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        return {"budgets": list(self.budgets), "steps_per_forward": list(self.steps_per_forward)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AcceptanceCurve:
+        return cls(tuple(d["budgets"]), tuple(float(x) for x in d["steps_per_forward"]))
+
+
+def acceptance_curve(
+    walks: Sequence[tuple[DraftTree, list[int]]], budgets: Sequence[int]
+) -> AcceptanceCurve:
+    """From walks over trees grown best-first (node index = creation order), the steps each
+    smaller budget would have advanced: its tree is the first D drafted nodes."""
+    means = []
+    for d in budgets:
+        total = 0
+        for _, path in walks:
+            accepted = 0
+            for node in path[1:]:
+                if node > d:
+                    break
+                accepted += 1
+            total += 1 + accepted
+        means.append(total / max(1, len(walks)))
+    return AcceptanceCurve(tuple(budgets), tuple(means))
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Seconds of one target forward as a function of the states it scores (all requests)."""
+
+    states: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, states: int) -> float:
+        xs, ys = self.states, self.seconds
+        if states <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, states), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (states - x0) / (x1 - x0)  # extrapolates past the last point
+
+
+def measure_forward_cost(
+    target: Target,
+    block_length: int,
+    prefix_length: int,
+    states: Sequence[int],
+    repeats: int = 3,
+) -> ForwardCost:
+    """Time `score` for growing numbers of candidate blocks over one cached prefix."""
+    if prefix_length % block_length:
+        raise ValueError("prefix_length must be a multiple of block_length")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.vocab_size, (prefix_length,), generator=g)
+    prompt[prompt == target.mask_id] = 0
+    context = target.open(prompt, prefix_length + block_length)
+    block = torch.full((block_length,), target.mask_id, dtype=torch.long)
+    target.score([context], [Window(0, torch.cat([prompt, block]), prefix_length)], block_length)
+    window = block
+    seconds = []
+    for n in states:
+        windows = [Window(0, window.clone()) for _ in range(n)]
+        target.score([context], windows, block_length)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            target.score([context], windows, block_length)
+        seconds.append((time.perf_counter() - t0) / repeats)
+    return ForwardCost(tuple(states), tuple(seconds))
+
+
+def choose_budget(curve: AcceptanceCurve, cost: ForwardCost, batch_size: int) -> int:
+    """The budget with the most expected steps per second for `batch_size` requests."""
+    rate = {
+        d: s / cost(batch_size * (d + 1)) for d, s in zip(curve.budgets, curve.steps_per_forward)
+    }
+    return max(rate, key=lambda d: (rate[d], -d))
+
+
+class AutoBudget:
+    """Wraps a drafter whose `budget` attribute sets its tree size (SPOT) and picks that
+    budget per batch from the acceptance curve and the measured forward cost."""
+
+    def __init__(self, drafter, curve: AcceptanceCurve, cost: ForwardCost):
+        self.drafter = drafter
+        self.curve = curve
+        self.cost = cost
+        self.chosen: dict[int, int] = {}
+
+    def propose(self, inputs):
+        n = len(inputs)
+        if n not in self.chosen:
+            self.chosen[n] = choose_budget(self.curve, self.cost, n)
+        self.drafter.budget = self.chosen[n]
+        return self.drafter.propose(inputs)
