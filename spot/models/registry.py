@@ -1,0 +1,151 @@
+"""Target families: how each original checkpoint format maps onto the native transformer.
+
+A family knows its original `config.json` keys and safetensors parameter names (both ways),
+its special tokens and how it decodes (attention regime, block grid, confidence, logit
+shift). Family modules register themselves here; `family_for` picks one by name or by the
+checkpoint's `model_type`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spot.config import ConfidenceName
+from spot.models.transformer import Transformer, TransformerConfig
+
+# family modules registered on first lookup; a new family adds its module here
+FAMILY_MODULES = ("spot.models.sdar", "spot.models.llada")
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a family's checkpoint decodes (what the target wrapper needs beyond weights)."""
+
+    mask_id: int
+    eos_ids: tuple[int, ...]
+    confidence: ConfidenceName  # the family's own confidence at T>0
+    block_causal: bool  # exact KV cache of committed blocks; else bidirectional, no cache
+    absolute_block_grid: bool  # blocks aligned to position 0, else to the prompt end
+    logit_shift: bool  # hidden state i-1 predicts token i (Dream)
+    max_length: int
+
+    def __post_init__(self) -> None:
+        if self.block_causal and not self.absolute_block_grid:
+            raise ValueError("a block-causal target needs the absolute block grid")
+        if self.block_causal and self.logit_shift:
+            raise ValueError("a block-causal target cannot shift logits")
+        if not self.eos_ids:
+            raise ValueError("a target needs at least one EOS id")
+
+
+class Family:
+    """Base class of a checkpoint family. Subclasses set the class attributes and implement
+    the config and name mappings; parameter names default to the native (Qwen) ones."""
+
+    name: str  # registry key and the `model_type` it writes
+    model_types: tuple[str, ...]  # config.json `model_type` values it reads
+    architectures: tuple[str, ...]  # config.json `architectures` it writes
+    confidence: ConfidenceName
+    block_causal: bool
+    absolute_block_grid: bool
+    logit_shift: bool = False
+
+    # -- config.json ------------------------------------------------------------------------
+    def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
+        """The native architecture described by an original config.json."""
+        raise NotImplementedError
+
+    def original_config(
+        self, config: TransformerConfig, mask_id: int, eos_ids: tuple[int, ...]
+    ) -> dict[str, Any]:
+        """An original-format config.json for a native architecture (inverse of
+        `native_config`, with the family's other keys at their published values)."""
+        raise NotImplementedError
+
+    def mask_id(self, raw: Mapping[str, Any]) -> int:
+        return int(raw["mask_token_id"])
+
+    def max_length(self, raw: Mapping[str, Any]) -> int:
+        return int(raw["max_position_embeddings"])
+
+    # -- model and parameter names -----------------------------------------------------------
+    def build(self, config: TransformerConfig) -> Transformer:
+        """A native model with this family's layers (override for a custom MLP)."""
+        return Transformer(config)
+
+    def to_native(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Original parameter names (and layouts) -> native state dict."""
+        return dict(state)
+
+    def to_original(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Native state dict -> original parameter names (and layouts)."""
+        return dict(state)
+
+    # -- decoding -----------------------------------------------------------------------------
+    def decoding(
+        self, raw: Mapping[str, Any], generation: Mapping[str, Any], extra_eos: tuple[int, ...]
+    ) -> Decoding:
+        """Decoding traits from config.json, generation_config.json and EOS ids the family
+        reads from tokenizer files (`extra_eos`)."""
+        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids += tuple(i for i in extra_eos if i not in eos_ids)
+        return Decoding(
+            mask_id=self.mask_id(raw),
+            eos_ids=tuple(int(i) for i in eos_ids),
+            confidence=self.confidence,
+            block_causal=self.block_causal,
+            absolute_block_grid=self.absolute_block_grid,
+            logit_shift=self.logit_shift,
+            max_length=self.max_length(raw),
+        )
+
+    def extra_eos_tokens(self) -> tuple[str, ...]:
+        """Token strings that also end a generation, looked up in tokenizer files."""
+        return ()
+
+    def generation_config(self, eos_ids: tuple[int, ...]) -> dict[str, Any]:
+        """generation_config.json written with a checkpoint."""
+        return {"eos_token_id": list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]}
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    if family.name in _FAMILIES:
+        raise ValueError(f"family {family.name!r} registered twice")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def _load_builtin() -> None:
+    for module in FAMILY_MODULES:
+        importlib.import_module(module)
+
+
+def families() -> dict[str, Family]:
+    _load_builtin()
+    return dict(_FAMILIES)
+
+
+def family_for(name: str | None = None, raw_config: Mapping[str, Any] | None = None) -> Family:
+    """The family called `name`, or the one whose model_type the config declares."""
+    known = families()
+    if name is not None:
+        if name not in known:
+            raise ValueError(f"unknown target family {name!r}; known: {sorted(known)}")
+        return known[name]
+    model_type = (raw_config or {}).get("model_type")
+    for family in known.values():
+        if model_type in family.model_types:
+            return family
+    raise ValueError(
+        f"config.json model_type {model_type!r} is not a known target family "
+        f"({sorted(t for f in known.values() for t in f.model_types)}); pass family="
+    )

@@ -1,0 +1,292 @@
+"""The native transformer behind the `spot.target.Target` interface.
+
+Two attention regimes (DESIGN §1):
+- block-causal (SDAR, LLaDA2.0): each request keeps the exact KV cache of its final blocks.
+  All windows of one request go into ONE row: a shared prefix of final-but-uncached blocks,
+  then each candidate's own tokens; a token in block b attends the cache, and the tokens of
+  blocks <= b of the prefix and of its own candidate (tree attention). Rows of different
+  requests are padded, cache lengths may differ. The `keep` leading tokens of a window are
+  final: their KV from this same forward is appended to the cache, so storing a finished
+  block costs no pass of its own (it rides on the next block's first pass).
+- bidirectional (LLaDA, Dream): no cache; each window is one row holding the whole sequence
+  (final tokens, the window, mask tokens up to the request's total length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from spot.models.registry import Decoding
+from spot.models.transformer import Transformer
+from spot.target import Scores, Window
+
+
+@dataclass
+class CachedContext:
+    """A block-causal request: KV of positions [0, length) per layer."""
+
+    prompt: torch.Tensor  # [P]
+    total_length: int
+    length: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [Hkv, total, D]
+    values: list[torch.Tensor] = field(default_factory=list)  # per layer [Hkv, total, D]
+
+
+@dataclass
+class SequenceContext:
+    """A bidirectional request: its final tokens, mask tokens elsewhere."""
+
+    tokens: torch.Tensor  # [total_length]
+    committed: int
+
+
+@dataclass
+class _Row:
+    """One packed row of the block-causal batch."""
+
+    tokens: torch.Tensor  # [L] long
+    positions: torch.Tensor  # [L] long
+    group: torch.Tensor  # [L] 0 = shared prefix, k + 1 = the row's k-th window
+    outputs: list[torch.Tensor]  # per window: [B] row indices of its current block
+    keep_index: torch.Tensor | None  # [keep] row indices of the tokens that become final
+
+
+class DiffusionTarget:
+    """A diffusion LM target: a native transformer plus its family's decoding traits."""
+
+    def __init__(self, model: Transformer, decoding: Decoding):
+        config = model.config
+        self.model = model.eval()
+        self.decoding = decoding
+        self.mask_id = decoding.mask_id
+        self.eos_ids = decoding.eos_ids
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.absolute_block_grid = decoding.absolute_block_grid
+        self.confidence = decoding.confidence
+        self.max_length = min(decoding.max_length, config.max_position_embeddings)
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.dtype = parameter.dtype
+
+    # -- Target protocol ---------------------------------------------------------------------
+    def open(self, prompt: torch.Tensor, total_length: int) -> CachedContext | SequenceContext:
+        prompt = prompt.to(torch.long).cpu()
+        if prompt.dim() != 1 or not 0 < prompt.numel() <= total_length:
+            raise ValueError("a prompt is a non-empty 1-D token tensor within total_length")
+        if total_length > self.max_length:
+            raise ValueError(f"total length {total_length} > max_length {self.max_length}")
+        if self.decoding.block_causal:
+            return CachedContext(prompt, total_length)
+        tokens = torch.full((total_length,), self.mask_id, dtype=torch.long)
+        tokens[: prompt.numel()] = prompt
+        return SequenceContext(tokens, 0 if self.absolute_block_grid else prompt.numel())
+
+    def committed_length(self, context: CachedContext | SequenceContext) -> int:
+        if isinstance(context, CachedContext):
+            return context.length
+        return context.committed
+
+    def score(
+        self,
+        contexts: Sequence[CachedContext | SequenceContext],
+        windows: Sequence[Window],
+        block_length: int,
+        output_hidden: bool = False,
+    ) -> Scores:
+        _check_windows(contexts, windows, block_length, self.decoding.block_causal)
+        with torch.inference_mode():
+            if self.decoding.block_causal:
+                return self._score_cached(contexts, windows, block_length, output_hidden)
+            return self._score_sequences(contexts, windows, block_length, output_hidden)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [..., H] of tokens [...] (candidate-token features for drafters)."""
+        with torch.inference_mode():
+            return self.model.embed(tokens.to(self.device))
+
+    # -- bidirectional -----------------------------------------------------------------------
+    def _score_sequences(self, contexts, windows, block_length, output_hidden) -> Scores:
+        rows, outputs = [], []
+        shift = 1 if self.decoding.logit_shift else 0
+        for w in windows:
+            ctx = contexts[w.context]
+            seq = ctx.tokens.clone()
+            end = ctx.committed + w.tokens.numel()
+            seq[ctx.committed : end] = w.tokens
+            rows.append(seq)
+            # Dream: position p is predicted by hidden state p - 1 (position 0 by itself)
+            outputs.append((torch.arange(end - block_length, end) - shift).clamp(min=0))
+        lengths = torch.tensor([r.numel() for r in rows])
+        width = int(lengths.max())
+        tokens = torch.full((len(rows), width), self.mask_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : r.numel()] = r
+        positions = torch.arange(width).expand(len(rows), width)
+        key_valid = torch.arange(width)[None, :] < lengths[:, None]  # [N, width]
+        mask = key_valid[:, None, None, :]  # [N, 1, 1, width], every query the same keys
+        logits, hidden, _ = self.model(
+            tokens.to(self.device),
+            positions.to(self.device),
+            mask.to(self.device),
+            output_hidden=output_hidden,
+            logits_at=torch.stack(outputs).to(self.device),
+        )
+        for w in windows:
+            if w.keep:
+                ctx = contexts[w.context]
+                ctx.tokens[ctx.committed : ctx.committed + w.keep] = w.tokens[: w.keep]
+                ctx.committed += w.keep
+        return Scores(logits, hidden)
+
+    # -- block-causal ------------------------------------------------------------------------
+    def _score_cached(self, contexts, windows, block_length, output_hidden) -> Scores:
+        by_context: dict[int, list[int]] = {}
+        for i, w in enumerate(windows):
+            by_context.setdefault(w.context, []).append(i)
+        order = list(by_context)
+        rows = [
+            _pack(contexts[c], [windows[i] for i in by_context[c]], block_length) for c in order
+        ]
+        n, width = len(rows), max(r.tokens.numel() for r in rows)
+        cached = torch.tensor([contexts[c].length for c in order])  # [R]
+        past_width = int(cached.max())
+
+        tokens = torch.full((n, width), self.mask_id, dtype=torch.long)
+        positions = torch.zeros((n, width), dtype=torch.long)
+        group = torch.full((n, width), -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            length = row.tokens.numel()
+            tokens[r, :length] = row.tokens
+            positions[r, :length] = row.positions
+            group[r, :length] = row.group
+        valid = group >= 0  # [R, width]
+        block = positions // block_length
+        same_candidate = (group[:, None, :] == 0) | (group[:, None, :] == group[:, :, None])
+        new_mask = same_candidate & (block[:, None, :] <= block[:, :, None])
+        new_mask &= valid[:, None, :] & valid[:, :, None]
+        new_mask |= torch.eye(width, dtype=torch.bool)  # padding queries attend themselves
+        past_mask = (torch.arange(past_width)[None, :] < cached[:, None])[:, None, :]
+        past_mask = past_mask & valid[:, :, None]  # [R, width, past_width]
+        mask = torch.cat([past_mask, new_mask], dim=-1)[:, None]  # [R, 1, width, past + width]
+
+        past = self._gather_cache([contexts[c] for c in order], past_width)
+        slots = max(len(row.outputs) for row in rows) * block_length
+        logits_at = torch.zeros((n, slots), dtype=torch.long)
+        for r, row in enumerate(rows):
+            flat = torch.cat(row.outputs)
+            logits_at[r, : flat.numel()] = flat
+        logits, hidden, new_kv = self.model(
+            tokens.to(self.device),
+            positions.to(self.device),
+            mask.to(self.device),
+            past_kv=past,
+            output_hidden=output_hidden,
+            logits_at=logits_at.to(self.device),
+        )
+
+        out_logits: list[torch.Tensor | None] = [None] * len(windows)
+        out_hidden: list[torch.Tensor | None] = [None] * len(windows)
+        for r, c in enumerate(order):
+            for k, i in enumerate(by_context[c]):
+                span = slice(k * block_length, (k + 1) * block_length)
+                out_logits[i] = logits[r, span]
+                if hidden is not None:
+                    out_hidden[i] = hidden[r, span]
+            if rows[r].keep_index is not None:
+                self._append_cache(contexts[c], new_kv, r, rows[r].keep_index)
+        return Scores(
+            torch.stack(out_logits),
+            torch.stack(out_hidden) if output_hidden else None,
+        )
+
+    def _gather_cache(self, contexts: list[CachedContext], width: int):
+        """Per layer (k, v) [R, Hkv, width, D], zero beyond each request's cache."""
+        if width == 0:
+            return None
+        template = next(ctx for ctx in contexts if ctx.length)
+        past = []
+        for layer in range(len(template.keys)):
+            heads, _, dim = template.keys[layer].shape
+            k = template.keys[layer].new_zeros((len(contexts), heads, width, dim))
+            v = torch.zeros_like(k)
+            for r, ctx in enumerate(contexts):
+                if not ctx.length:
+                    continue
+                k[r, :, : ctx.length] = ctx.keys[layer][:, : ctx.length]
+                v[r, :, : ctx.length] = ctx.values[layer][:, : ctx.length]
+            past.append((k, v))
+        return past
+
+    def _append_cache(self, ctx: CachedContext, new_kv, row: int, index: torch.Tensor) -> None:
+        index = index.to(self.device)
+        end = ctx.length + index.numel()
+        for layer, (k, v) in enumerate(new_kv):
+            if len(ctx.keys) <= layer:
+                heads, dim = k.shape[1], k.shape[3]
+                shape = (heads, ctx.total_length, dim)
+                ctx.keys.append(k.new_zeros(shape))
+                ctx.values.append(v.new_zeros(shape))
+            ctx.keys[layer][:, ctx.length : end] = k[row, :, index]
+            ctx.values[layer][:, ctx.length : end] = v[row, :, index]
+        ctx.length = end
+
+
+def _pack(ctx: CachedContext, windows: list[Window], block_length: int) -> _Row:
+    """One request's windows as one row: the longest block-aligned prefix they all share
+    (never a window's current block), then each window's remaining tokens."""
+    shortest = min(w.tokens.numel() for w in windows)
+    shared = shortest - block_length
+    first = windows[0].tokens
+    for w in windows[1:]:
+        differs = (w.tokens[:shared] != first[:shared]).nonzero()
+        if differs.numel():
+            shared = int(differs[0])
+    shared = shared // block_length * block_length
+    pieces, groups, outputs = [first[:shared]], [torch.zeros(shared, dtype=torch.long)], []
+    keep_index = None
+    offset = shared
+    for k, w in enumerate(windows):
+        own = w.tokens[shared:]
+        pieces.append(own)
+        groups.append(torch.full((own.numel(),), k + 1, dtype=torch.long))
+        outputs.append(torch.arange(offset + own.numel() - block_length, offset + own.numel()))
+        if w.keep:
+            index = torch.arange(w.keep)
+            keep_index = torch.where(index < shared, index, index - shared + offset)
+        offset += own.numel()
+    tokens = torch.cat(pieces)
+    within = torch.cat(
+        [torch.arange(shared)] + [torch.arange(shared, w.tokens.numel()) for w in windows]
+    )
+    return _Row(tokens, ctx.length + within, torch.cat(groups), outputs, keep_index)
+
+
+def _check_windows(contexts, windows, block_length: int, block_causal: bool) -> None:
+    keeping: set[int] = set()
+    if not windows:
+        raise ValueError("nothing to score")
+    for w in windows:
+        if not 0 <= w.context < len(contexts):
+            raise ValueError(f"window refers to context {w.context} of {len(contexts)}")
+        ctx = contexts[w.context]
+        size = w.tokens.numel()
+        if size < block_length or (block_causal and size % block_length):
+            raise ValueError(f"window of {size} tokens for block length {block_length}")
+        if not 0 <= w.keep <= size - block_length:
+            raise ValueError(f"keep {w.keep} would make the current block final")
+        if block_causal and w.keep % block_length:
+            raise ValueError("a block-causal target keeps whole blocks only")
+        if w.keep and w.context in keeping:
+            raise ValueError("at most one window per context may keep tokens")
+        if w.keep:
+            keeping.add(w.context)
+        if block_causal:
+            start, total = ctx.length, ctx.total_length
+        else:
+            start, total = ctx.committed, ctx.tokens.numel()
+        if start + size > total:
+            raise ValueError("window runs past the request's total length")
