@@ -1,11 +1,12 @@
-"""The SPOT drafter: grow a tree of block states from the order model's predictions.
+"""The SPOT drafters: grow a tree of block states from a learned model's predictions.
 
-Best-first under a node budget: a candidate is (parent node, next committed position), scored
-by the product along its path of the order model's probability and the drafted token's stale
-probability. Drafted tokens come from the stale logits under the coupled noise of the step
-they would be committed at, so at T>0 they match the target's own draw whenever its
-distribution has not moved. Expansion runs in rounds so that the order model is evaluated on
-all new nodes of all requests in one batch.
+Best-first under a node budget: a candidate is (parent node, the positions it commits next),
+scored by the product along its path of the model's probability and the drafted tokens' stale
+probabilities. SPOT's order model proposes single next positions (static rule); SPOT-Sets
+proposes whole commit sets (threshold rule). Drafted tokens come from the stale logits under
+the coupled noise of the step they would be committed at, so at T>0 they match the target's
+own draw whenever its distribution has not moved. Expansion runs in rounds so that the model
+is evaluated on all new nodes of all requests in one batch.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class _Growing:
     nodes: list[State]
     parent: list[int]
     score: list[float]
-    heap: list[tuple[float, int, int, int]] = field(default_factory=list)
+    heap: list[tuple[float, int, int, tuple[int, ...]]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
     drafted: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     gumbels: dict[int, torch.Tensor | None] = field(default_factory=dict)
@@ -61,27 +62,29 @@ class _Growing:
         return self.drafted[step]
 
 
-class SpotDrafter:
-    """Order-model drafter for the static commit rule."""
+class BestFirstDrafter:
+    """Grows one tree per request, best candidate first; subclasses say which moves (sets of
+    positions to commit next, with log-probabilities) a node admits."""
 
-    def __init__(
-        self,
-        model: OrderModel,
-        budget: int,
-        per_round: int = 4,
-        branching: int = 4,
-    ):
-        self.model = model.eval()
+    rules: tuple[str, ...] = ()
+    needs_hidden = False
+
+    def __init__(self, budget: int, per_round: int = 4, branching: int = 4):
         self.budget = budget
         self.per_round = per_round
         self.branching = branching
+
+    def _moves(self, frontier: list[tuple[_Growing, int]]) -> list[list[tuple[float, tuple]]]:
+        raise NotImplementedError
 
     @torch.no_grad()
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         growing: list[_Growing | None] = [self._start(inp) for inp in inputs]
         frontier = [(g, 0) for g in growing if g is not None]
         while frontier:
-            self._push_candidates(frontier)
+            for (g, n), moves in zip(frontier, self._moves(frontier)):
+                for logp, positions in moves:
+                    heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
             frontier = []
             for g in growing:
                 if g is None:
@@ -109,66 +112,75 @@ class SpotDrafter:
             return None
         if inp.root.block_start(b) != inp.stale_state.block_start(b):
             return None  # the stale logits belong to the previous block
-        if inp.config.rule != "static":
-            raise ValueError("the SPOT order drafter serves the static rule; use spot-sets")
-        top_probs, top_ids = stale_top(inp.stale_logits, self.model.config.top_k)
+        if inp.config.rule not in self.rules:
+            raise ValueError(
+                f"{type(self).__name__} drafts for the {'/'.join(self.rules)} rule, "
+                f"not {inp.config.rule!r}"
+            )
+        top_probs, top_ids = stale_top(inp.stale_logits, self.top_k)
         stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
         return _Growing(inp, top_probs, top_ids, stale_masked, [inp.root], [-1], [0.0])
 
-    def _push_candidates(self, frontier: list[tuple[_Growing, int]]) -> None:
-        """Evaluate the order model on the new nodes of all requests at once."""
-        feats, masks = [], []
-        for g, n in frontier:
-            inp, node = g.inp, g.nodes[n]
-            b = inp.layout.block_length
-            block = node.block(b)
-            masked = block == inp.layout.mask_id
-            conf = noisy_confidence(
-                g.top_probs,
-                g.top_ids,
-                g.gumbel(node.step),
-                inp.config.temperature,
-                inp.confidence,
-            )
-            feats.append(
-                order_features(
-                    g.top_probs[None],
-                    masked[None],
-                    (g.stale_masked & ~masked)[None],
-                    conf[None],
-                    torch.tensor([node.block_step / inp.layout.steps_per_block]),
-                    torch.tensor([node.step - inp.stale_state.step]),
-                    self.model.config,
-                )
-            )
-            masks.append(masked[None])
-        logits = self.model(torch.cat(feats), torch.cat(masks))
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        for (g, n), row in zip(frontier, logp):
-            finite = torch.isfinite(row)
-            count = min(self.branching, int(finite.sum()))
-            best = torch.topk(row, count)
-            for value, pos in zip(best.values.tolist(), best.indices.tolist()):
-                score = g.score[n] + value
-                heapq.heappush(g.heap, (-score, next(g.order), n, pos))
+    def _node_features(self, g: _Growing, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+        """Order features [1, B, F] of node n and its mask [1, B]."""
+        inp, node = g.inp, g.nodes[n]
+        masked = node.block(inp.layout.block_length) == inp.layout.mask_id
+        conf = noisy_confidence(
+            g.top_probs, g.top_ids, g.gumbel(node.step), inp.config.temperature, inp.confidence
+        )
+        feats = order_features(
+            g.top_probs[None],
+            masked[None],
+            (g.stale_masked & ~masked)[None],
+            conf[None],
+            torch.tensor([node.block_step / inp.layout.steps_per_block]),
+            torch.tensor([node.step - inp.stale_state.step]),
+            config,
+        )
+        return feats, masked[None]
 
     def _expand(self, g: _Growing) -> int:
         """Pop the best candidate and add its state as a node; returns the node index."""
-        neg_score, _, parent, pos = heapq.heappop(g.heap)
+        neg_score, _, parent, positions = heapq.heappop(g.heap)
         node = g.nodes[parent]
-        layout = g.inp.layout
-        b = layout.block_length
-        k = layout.commit_count(node.block_start(b), node.block_step)
         tokens, conf = g.tokens_at(node.step)
-        block = node.block(b).clone()
-        masked = (block == layout.mask_id).nonzero().flatten().tolist()
-        chosen = [pos] + [p for p in sorted(masked, key=lambda p: -float(conf[p])) if p != pos][
-            : max(k, 1) - 1
-        ]
+        block = node.block(g.inp.layout.block_length).clone()
+        chosen = list(positions)
         block[chosen] = tokens[chosen]
         token_logp = sum(math.log(max(float(conf[p]), 1e-30)) for p in chosen)
-        child = advance(layout, node, block)
-        g.nodes.append(child)
+        g.nodes.append(advance(g.inp.layout, node, block))
         g.parent.append(parent)
         g.score.append(-neg_score + token_logp)
         return len(g.nodes) - 1
+
+
+class SpotDrafter(BestFirstDrafter):
+    """SPOT: the order model ranks the next committed position (static rule); with k tokens
+    per step the other k-1 are the most confident remaining positions."""
+
+    rules = ("static",)
+
+    def __init__(self, model: OrderModel, budget: int, per_round: int = 4, branching: int = 4):
+        super().__init__(budget, per_round, branching)
+        self.model = model.eval()
+        self.top_k = model.config.top_k
+
+    def _moves(self, frontier):
+        feats, masks = zip(*(self._node_features(g, n, self.model.config) for g, n in frontier))
+        logp = torch.log_softmax(self.model(torch.cat(feats), torch.cat(masks)).float(), dim=-1)
+        out = []
+        for (g, n), row in zip(frontier, logp):
+            node = g.nodes[n]
+            layout = g.inp.layout
+            b = layout.block_length
+            k = max(1, layout.commit_count(node.block_start(b), node.block_step))
+            _, conf = g.tokens_at(node.step)
+            masked = (node.block(b) == layout.mask_id).nonzero().flatten().tolist()
+            by_conf = sorted(masked, key=lambda p: -float(conf[p]))
+            best = torch.topk(row, min(self.branching, len(masked)))
+            moves = []
+            for value, pos in zip(best.values.tolist(), best.indices.tolist()):
+                rest = [p for p in by_conf if p != pos][: k - 1]
+                moves.append((value, (pos, *rest)))
+            out.append(moves)
+        return out
