@@ -61,6 +61,7 @@ class DraftInput:
     root: State
     stale_state: State
     stale_logits: torch.Tensor  # [B, V]
+    stale_hidden: torch.Tensor | None  # [B, H] when the drafter has `needs_hidden = True`
     key: int
     config: DecodingConfig
     confidence: ConfidenceName
@@ -73,9 +74,17 @@ class DraftInput:
 
 
 class Trace(Protocol):
-    def __call__(self, index: int, state: State, logits: torch.Tensor, successor: State) -> None:
+    def __call__(
+        self,
+        index: int,
+        state: State,
+        logits: torch.Tensor,
+        successor: State,
+        hidden: torch.Tensor | None,
+    ) -> None:
         """Called for every state of the target's own trajectory, in order: request index,
-        the state, its exact logits [B, V] and its exact successor."""
+        the state, its exact logits [B, V], its exact successor, and its last hidden states
+        [B, H] when the trace has `needs_hidden = True` (else None)."""
         ...
 
 
@@ -101,6 +110,7 @@ class _Active:
     root: State
     stale_state: State | None = None
     stale_logits: torch.Tensor | None = None
+    stale_hidden: torch.Tensor | None = None
     stats: RequestStats = field(default_factory=RequestStats)
 
 
@@ -115,6 +125,7 @@ def generate(
     """Decode a batch of requests; finished requests leave the batch."""
     start = time.perf_counter()
     confidence = config.confidence or target.confidence
+    hidden = getattr(drafter, "needs_hidden", False) or getattr(trace, "needs_hidden", False)
     results: list[Result | None] = [None] * len(requests)
     active = [_open(target, i, r, config) for i, r in enumerate(requests)]
     while active:
@@ -122,7 +133,7 @@ def generate(
         if not active:
             break
         trees = _propose(drafter, active, requests, config, confidence)
-        scores = _score(target, active, trees, config.block_length)
+        scores = _score(target, active, trees, config.block_length, hidden)
         successors = _successors(active, trees, scores, requests, config, target, confidence)
         offset = 0
         for a, tree in zip(active, trees):
@@ -133,12 +144,16 @@ def generate(
                 on_walk(a.index, tree, path)
             if trace is not None:
                 for n in path:
-                    trace(a.index, tree.nodes[n], scores.logits[offset + n], successors[offset + n])
+                    h = None if scores.hidden is None else scores.hidden[offset + n]
+                    trace(
+                        a.index, tree.nodes[n], scores.logits[offset + n], successors[offset + n], h
+                    )
             a.stats.nfe += 1
             a.stats.steps += len(path)
             a.stats.tree_nodes += nodes
             a.stale_state = tree.nodes[last]
             a.stale_logits = scores.logits[offset + last]
+            a.stale_hidden = None if scores.hidden is None else scores.hidden[offset + last]
             a.root = _rebase(a, successors[offset + last])
             offset += nodes
     return results  # type: ignore[return-value]
@@ -209,6 +224,7 @@ def _propose(
             active[i].root,
             active[i].stale_state,
             active[i].stale_logits,
+            active[i].stale_hidden,
             requests[active[i].index].key,
             config,
             confidence,
@@ -226,7 +242,13 @@ def _propose(
     return trees
 
 
-def _score(target: Target, active: list[_Active], trees: list[DraftTree], block_length: int):
+def _score(
+    target: Target,
+    active: list[_Active],
+    trees: list[DraftTree],
+    block_length: int,
+    output_hidden: bool,
+):
     windows = []
     for c, (a, tree) in enumerate(zip(active, trees)):
         committed = target.committed_length(a.context)
@@ -234,7 +256,7 @@ def _score(target: Target, active: list[_Active], trees: list[DraftTree], block_
         for n, node in enumerate(tree.nodes):
             keep = a.root.origin - committed if n == 0 else 0
             windows.append(Window(c, torch.cat([prefix, node.span]), keep))
-    return target.score([a.context for a in active], windows, block_length)
+    return target.score([a.context for a in active], windows, block_length, output_hidden)
 
 
 def _successors(

@@ -69,3 +69,7 @@ class Target(Protocol):
     ) -> Scores:
         """Score every window in one forward (or one batched forward per shard)."""
         ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [..., H] of token ids [...]."""
+        ...

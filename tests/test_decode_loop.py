@@ -101,7 +101,7 @@ def test_an_oracle_chain_is_accepted_whole(temperature):
     requests = make_requests([5, 9])
     next_blocks: dict[int, dict[int, torch.Tensor]] = {}
 
-    def record(index, state, logits, successor):
+    def record(index, state, logits, successor, hidden):
         width = state.span.numel()
         produced = successor.span[width - config.block_length : width]
         next_blocks.setdefault(requests[index].key, {})[state.step] = produced

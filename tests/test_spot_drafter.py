@@ -12,7 +12,7 @@ from spot.decode import Request, generate
 from spot.drafters.order_model import OrderModel, OrderModelConfig
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter, calibrate
 from spot.drafters.spot import SpotDrafter
-from spot.drafters.train_order import build_samples, train_order_model
+from spot.drafters.training import build_samples, train_order_model
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
 from spot.noise import request_key
 from tests.toy import ToyTarget
@@ -110,7 +110,7 @@ def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
     logits[0, 3], logits[1, 4], logits[2, 5], logits[3, 6] = 2.0, 1.0, 3.0, 4.0
     stale = State(4, torch.tensor([11, 11, 11, 11]), 0, 0)
     root = State(4, torch.tensor([11, 11, 11, 6]), 1, 1)
-    inp = DraftInput(layout, root, stale, logits, 0, DecodingConfig(4, 4), "untempered")
+    inp = DraftInput(layout, root, stale, logits, None, 0, DecodingConfig(4, 4), "untempered")
     graph = DraftGraph((((0, 0),), ((1, 0),), ((0, 0), (0, 0))), (5, 3, 2), {})
     tree = SpiffyDrafter(graph).propose([inp])[0]
     assert [n.block(4).tolist() for n in tree.nodes] == [

@@ -31,7 +31,7 @@ class ToyTarget:
         g = torch.Generator().manual_seed(seed)
         d = self.hidden_size
         self.absolute_block_grid = absolute_block_grid
-        self.embed = torch.randn(self.vocab_size, d, generator=g, dtype=torch.float64)
+        self.embed_table = torch.randn(self.vocab_size, d, generator=g, dtype=torch.float64)
         self.pos = torch.randn(self.max_length, d, generator=g, dtype=torch.float64) * 0.5
         self.mix = torch.randn(d, d, generator=g, dtype=torch.float64) / d**0.5
         self.out = torch.randn(d, self.vocab_size - 1, generator=g, dtype=torch.float64)
@@ -47,13 +47,16 @@ class ToyTarget:
         return context.committed
 
     def _logits(self, seq: torch.Tensor) -> torch.Tensor:
-        h = self.embed[seq] + self.pos[: seq.numel()]
+        h = self.embed_table[seq] + self.pos[: seq.numel()]
         ctx = torch.tanh(h.mean(0) @ self.mix)
         left = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
         logits = self.sharpness * torch.tanh(h + ctx + 0.5 * left) @ self.out
         logits[:, self.eos_ids[0]] -= self.sharpness  # EOS now and then, not everywhere
         # the mask token is never predicted
         return torch.cat([logits, torch.full((seq.numel(), 1), -1e9, dtype=logits.dtype)], -1)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_table[tokens]
 
     def score(self, contexts, windows: list[Window], block_length: int, output_hidden=False):
         self.forwards += 1
@@ -65,7 +68,7 @@ class ToyTarget:
             seq[start : start + w.tokens.numel()] = w.tokens
             end = start + w.tokens.numel()
             rows.append(self._logits(seq)[end - block_length : end])
-            hidden.append(self.embed[seq[end - block_length : end]])
+            hidden.append(self.embed_table[seq[end - block_length : end]])
         for w in windows:
             if w.keep:
                 ctx = contexts[w.context]

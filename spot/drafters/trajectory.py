@@ -45,13 +45,15 @@ class Trajectories:
     step: torch.Tensor  # [S] int64, transitions already taken in the request (noise counter)
     key: torch.Tensor  # [S] int64, the request's coupled-noise key
     meta: dict
+    hidden: torch.Tensor | None = None  # [S, B, H] float16 last hidden states at s_i
 
     @property
     def block_length(self) -> int:
         return self.masked.shape[1]
 
     def save(self, path: str | Path) -> None:
-        torch.save({name: getattr(self, name) for name in _FIELDS} | {"meta": self.meta}, path)
+        body = {name: getattr(self, name) for name in _FIELDS}
+        torch.save(body | {"meta": self.meta, "hidden": self.hidden}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> Trajectories:
@@ -65,13 +67,24 @@ class Trajectories:
         return self._select(keep), self._select(~keep)
 
     def _select(self, rows: torch.Tensor) -> Trajectories:
-        return Trajectories(**{n: getattr(self, n)[rows] for n in _FIELDS}, meta=self.meta)
+        hidden = None if self.hidden is None else self.hidden[rows]
+        return Trajectories(
+            **{n: getattr(self, n)[rows] for n in _FIELDS}, meta=self.meta, hidden=hidden
+        )
 
 
 class TrajectoryRecorder:
     """A `spot.decode.Trace` that keeps what drafters need; `result()` stacks it."""
 
-    def __init__(self, keys: list[int], block_length: int, mask_id: int, top_k: int = TOP_K):
+    def __init__(
+        self,
+        keys: list[int],
+        block_length: int,
+        mask_id: int,
+        top_k: int = TOP_K,
+        record_hidden: bool = False,
+    ):
+        self.needs_hidden = record_hidden
         self.keys = keys  # noise key of each request index of the current generate() call
         self.block_length = block_length
         self.mask_id = mask_id
@@ -79,7 +92,7 @@ class TrajectoryRecorder:
         self._rows: list[tuple] = []
         self._segments: dict[tuple[int, int], int] = {}
 
-    def __call__(self, index: int, state: State, logits: torch.Tensor, successor: State) -> None:
+    def __call__(self, index, state: State, logits: torch.Tensor, successor: State, hidden) -> None:
         b = self.block_length
         width = state.span.numel()
         before = state.block(b)
@@ -101,6 +114,7 @@ class TrajectoryRecorder:
                 state.block_step,
                 state.step,
                 self.keys[index],
+                None if hidden is None else hidden.to(torch.float16).cpu(),
             )
         )
 
@@ -118,5 +132,6 @@ class TrajectoryRecorder:
             block_step=torch.tensor(cols[6], dtype=torch.int32),
             step=torch.tensor(cols[7], dtype=torch.int64),
             key=torch.tensor(cols[8], dtype=torch.int64),
+            hidden=torch.stack(cols[9]) if self.needs_hidden else None,
             meta=meta,
         )

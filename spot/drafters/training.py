@@ -1,4 +1,4 @@
-"""Training SPOT's order model on recorded draft-free trajectories.
+"""Training SPOT's order model and SPOT-Sets' set model on recorded draft-free trajectories.
 
 A sample pairs a stale forward (record i) with a hypothesis j steps later in the same block
 (record i+j, 1 <= j <= max_lookahead): the features are record i's distribution and record
@@ -20,6 +20,12 @@ from spot.drafters.order_model import (
     noisy_confidence,
     order_features,
 )
+from spot.drafters.spot_sets import (
+    SetModel,
+    SetModelConfig,
+    exact_set_accuracy,
+    set_log_likelihood,
+)
 from spot.drafters.trajectory import Trajectories
 
 
@@ -28,6 +34,8 @@ class OrderSamples:
     features: torch.Tensor  # [N, B, F]
     masked: torch.Tensor  # [N, B] bool
     label: torch.Tensor  # [N, B] bool, positions committed next
+    stale_index: torch.Tensor  # [N] record of the stale forward (for its hidden states)
+    token_ids: torch.Tensor  # [N, B] tokens the coupled noise draws at the hypothesis step
 
 
 def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
@@ -50,21 +58,18 @@ def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
     assumed = traj.masked[stale] & ~masked
     if temperature == 0.0:
         conf = top_probs[..., 0]
+        token_ids = top_ids[..., 0]
     else:
         vocab = int(meta["vocab_size"])
         b = traj.block_length
-        conf = torch.stack(
-            [
-                noisy_confidence(
-                    top_probs[r],
-                    top_ids[r],
-                    noise.gumbel(seed, int(traj.key[h]), int(traj.step[h]), (b, vocab)),
-                    temperature,
-                    confidence,
-                )
-                for r, h in enumerate(hyp.tolist())
-            ]
-        )
+        conf = torch.empty(top_probs.shape[:2])
+        token_ids = torch.empty(top_probs.shape[:2], dtype=top_ids.dtype)
+        for r, h in enumerate(hyp.tolist()):
+            g = noise.gumbel(seed, int(traj.key[h]), int(traj.step[h]), (b, vocab))
+            conf[r] = noisy_confidence(top_probs[r], top_ids[r], g, temperature, confidence)
+            logp = top_probs[r].double().clamp_min(1e-30).log() / temperature
+            pick = (logp + g.gather(-1, top_ids[r].long())).argmax(-1, keepdim=True)
+            token_ids[r] = top_ids[r].gather(-1, pick).squeeze(-1)
     features = order_features(
         top_probs,
         masked,
@@ -74,7 +79,7 @@ def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
         (hyp - stale).float(),
         config,
     )
-    return OrderSamples(features, masked, traj.committed[hyp])
+    return OrderSamples(features, masked, traj.committed[hyp], stale, token_ids)
 
 
 def committed_log_likelihood(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -132,6 +137,74 @@ def train_order_model(
     metrics = {
         "heldout_next_commit_accuracy": next_commit_accuracy(model, heldout),
         "train_next_commit_accuracy": next_commit_accuracy(model, train),
+        "heldout_samples": int(heldout.label.shape[0]),
+        "train_samples": int(n),
+    }
+    return model, metrics
+
+
+def _set_batch(samples: OrderSamples, idx, hidden: torch.Tensor, embed):
+    return (
+        samples.features[idx],
+        hidden[samples.stale_index[idx]].float(),
+        embed(samples.token_ids[idx].long()).float(),
+        samples.masked[idx],
+    )
+
+
+@torch.no_grad()
+def set_accuracy(model, samples: OrderSamples, hidden, embed, batch: int = 2048) -> float:
+    """Fraction of samples whose most likely set is exactly the committed set."""
+    hits = 0.0
+    n = samples.label.shape[0]
+    for s in range(0, n, batch):
+        idx = torch.arange(s, min(n, s + batch))
+        feats, h, e, m = _set_batch(samples, idx, hidden, embed)
+        hits += exact_set_accuracy(model(feats, h, e, m), samples.label[idx], m) * len(idx)
+    return hits / max(1, n)
+
+
+def train_set_model(
+    train: OrderSamples,
+    heldout: OrderSamples,
+    train_hidden: torch.Tensor,
+    heldout_hidden: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    config: SetModelConfig,
+    epochs: int = 4,
+    batch_size: int = 256,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[SetModel, dict]:
+    """SPOT-Sets: Bernoulli inclusion per masked position; hidden: [S, B, H] per record."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # parameter init only; the caller's RNG state is untouched
+        model = SetModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    n = train.label.shape[0]
+    total = epochs * max(1, -(-n // batch_size))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
+    step = 0
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=g)
+        for s in range(0, n, batch_size):
+            idx = order[s : s + batch_size]
+            feats, h, e, m = _set_batch(train, idx, train_hidden, embed)
+            loss = -set_log_likelihood(model(feats, h, e, m), train.label[idx], m).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if progress is not None:
+                progress(step, total, float(loss))
+    model.eval()
+    metrics = {
+        "heldout_exact_set_accuracy": set_accuracy(model, heldout, heldout_hidden, embed),
+        "train_exact_set_accuracy": set_accuracy(model, train, train_hidden, embed),
         "heldout_samples": int(heldout.label.shape[0]),
         "train_samples": int(n),
     }

@@ -1,0 +1,91 @@
+"""SPOT-Sets on the toy target with the threshold rule: exact output, fewer forwards."""
+
+import pytest
+import torch
+
+from spot.config import DecodingConfig
+from spot.decode import generate
+from spot.drafters.spot_sets import SetModel, SetModelConfig, SpotSetsDrafter, likely_sets
+from spot.drafters.training import build_samples, train_set_model
+from spot.drafters.trajectory import TrajectoryRecorder
+from tests.test_spot_drafter import requests
+from tests.toy import ToyTarget
+
+SMALL = SetModelConfig(d_model=32, num_layers=1, num_heads=4, ff_size=64, target_hidden_size=8)
+
+
+def test_likely_sets_in_order_of_probability():
+    logits = torch.tensor([3.0, -0.2, 0.1, -4.0, 0.0])
+    masked = torch.tensor([True, True, True, True, False])
+    sets = likely_sets(logits, masked, count=4, max_flips=8)
+    assert [s for _, s in sets] == [(0, 2), (0,), (0, 1, 2), (0, 1)]  # flip costs 0.1, 0.2, 0.3
+    logps = [lp for lp, _ in sets]
+    assert logps == sorted(logps, reverse=True)
+    ls = torch.nn.functional.logsigmoid
+    expected = float(ls(torch.tensor(3.0)) + ls(torch.tensor(0.2)) + ls(torch.tensor(0.1)))
+    expected += float(ls(torch.tensor(4.0)))
+    assert abs(logps[0] - expected) < 1e-6  # float32 reference terms
+
+
+def test_no_empty_set_is_proposed():
+    logits = torch.tensor([-3.0, -2.0])
+    sets = likely_sets(logits, torch.tensor([True, True]), count=3, max_flips=8)
+    assert [s for _, s in sets] == [(1,), (0,), (0, 1)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_spot_sets_is_exact_and_saves_forwards_after_training(temperature):
+    target = ToyTarget(seed=3, sharpness=4.0)
+    config = DecodingConfig(
+        gen_length=32,
+        block_length=8,
+        rule="threshold",
+        threshold=0.7,
+        temperature=temperature,
+        seed=1,
+    )
+    reqs = requests(24, seed=5)
+    rec = TrajectoryRecorder([r.key for r in reqs], 8, target.mask_id, record_hidden=True)
+    generate(target, reqs, config, trace=rec)
+    meta = {
+        "steps_per_block": 8,
+        "temperature": temperature,
+        "seed": 1,
+        "confidence": target.confidence,
+        "vocab_size": target.vocab_size,
+    }
+    traj = rec.result(meta)
+    assert traj.hidden is not None and traj.hidden.shape[:2] == traj.masked.shape
+    train, held = traj.split(0.25)
+    model, metrics = train_set_model(
+        build_samples(train, SMALL),
+        build_samples(held, SMALL),
+        train.hidden,
+        held.hidden,
+        target.embed,
+        SMALL,
+        epochs=4,
+    )
+    assert 0.0 <= metrics["heldout_exact_set_accuracy"] <= 1.0
+    test = requests(6, seed=9, offset=100)
+    plain = generate(target, test, config)
+    drafted = generate(target, test, config, drafter=SpotSetsDrafter(model, target.embed, 6))
+    assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+    assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
+
+
+def test_untrained_spot_sets_changes_nothing():
+    target = ToyTarget(seed=1, sharpness=2.0)
+    config = DecodingConfig(gen_length=16, block_length=8, rule="threshold", threshold=0.5)
+    reqs = requests(3, seed=2)
+    drafter = SpotSetsDrafter(SetModel(SMALL), target.embed, budget=5)
+    plain = generate(target, reqs, config)
+    drafted = generate(target, reqs, config, drafter=drafter)
+    assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+
+
+def test_spot_sets_rejects_the_static_rule():
+    target = ToyTarget()
+    drafter = SpotSetsDrafter(SetModel(SMALL), target.embed, budget=2)
+    with pytest.raises(ValueError, match="threshold"):
+        generate(target, requests(1, seed=0), DecodingConfig(16, 8), drafter=drafter)
