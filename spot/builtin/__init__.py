@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 PREFIX = "builtin:"
-_KINDS = ("targets", "prompts", "tokenizer")
+_KINDS = ("targets", "prompts", "tokenizer", "drafters")
 
 
 def _root() -> Path:
@@ -45,3 +45,25 @@ def builtin_targets() -> list[str]:
 
 def is_builtin(reference: str) -> bool:
     return reference.startswith(PREFIX)
+
+
+_DRAFTER_SUFFIX = {"spot": "safetensors", "spot-sets": "safetensors", "spiffy": "json"}
+
+
+def drafter_file_name(kind: str, block_length: int, rule: str = "static") -> str:
+    """File name of a bundled drafter: one per kind, block length and commit rule."""
+    rule_part = "" if rule == "static" else f"-{rule}"
+    return f"{kind}-b{block_length}{rule_part}.{_DRAFTER_SUFFIX[kind]}"
+
+
+def builtin_drafter(target: str, kind: str, block_length: int, rule: str = "static") -> Path:
+    """The bundled drafter of `kind` for a bundled target, its block length and rule."""
+    target = target.removeprefix(PREFIX)
+    path = _root() / "drafters" / target / drafter_file_name(kind, block_length, rule)
+    if not path.is_file():
+        have = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else []
+        raise FileNotFoundError(
+            f"no bundled {kind} drafter for {target} with block length {block_length} and the "
+            f"{rule} rule (bundled for {target}: {', '.join(have) or 'none'})"
+        )
+    return path

@@ -1,0 +1,232 @@
+"""Draft-free vs Spiffy vs SPOT (and SPOT-Sets for threshold decoding) on the same prompts,
+in one process, one table per target. Ratios are what to read: this machine is noisy.
+
+    .venv/bin/python bench/speculative.py --targets sdar-tiny --prompts 40 --block-length 32
+
+Rows: draft-free; Spiffy (calibrated graph, dynamic pruning to the budget); SPOT at the fixed
+budget (NFE-optimal) and with `auto` (throughput-optimal from the measured forward cost);
+a perfect order oracle (true next positions, tokens drafted from the stale logits like SPOT)
+with the same budget, to show what order prediction alone could reach; transfer rows (a
+drafter trained on another bundled target, unchanged). With --rule threshold: threshold alone,
+threshold + SPOT-Sets, and standard 1-token decoding as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+from spot.budget import AcceptanceCurve, AutoBudget, measure_forward_cost
+from spot.builtin import builtin_drafter
+from spot.commit import sample_tokens
+from spot.config import DecodingConfig
+from spot.decode import generate
+from spot.models.drafter_files import load_drafter, read_header
+from spot.tree import DraftTree, advance
+
+
+@dataclass
+class Row:
+    name: str
+    budget: str
+    nfe: list[int]
+    steps: int
+    tokens: int
+    seconds: float
+    drafter_seconds: float
+    outputs: list[list[int]]
+
+    @property
+    def mean_nfe(self) -> float:
+        return statistics.mean(self.nfe)
+
+
+class OrderOracle:
+    """Knows which positions the target commits next (from a recorded draft-free run);
+    drafts their tokens from the stale logits under the coupled noise, like SPOT."""
+
+    def __init__(self, commits: dict[tuple[int, int], torch.Tensor], budget: int):
+        self.commits = commits  # (request key, step) -> [B] bool committed positions
+        self.budget = budget
+
+    def propose(self, inputs):
+        trees = []
+        for inp in inputs:
+            nodes, cur = [inp.root], inp.root
+            b = inp.layout.block_length
+            same_block = inp.root.block_start(b) == inp.stale_state.block_start(b)
+            while same_block and len(nodes) <= self.budget and not cur.done:
+                positions = self.commits.get((inp.key, cur.step))
+                if positions is None or cur.block_start(b) != inp.stale_state.block_start(b):
+                    break
+                c = inp.config
+                tokens, _ = sample_tokens(
+                    inp.stale_logits,
+                    inp.gumbel(cur.step),
+                    c.temperature,
+                    c.top_k,
+                    c.top_p,
+                    inp.confidence,
+                )
+                block = cur.block(b).clone()
+                block[positions] = tokens[positions]
+                cur = advance(inp.layout, cur, block)
+                nodes.append(cur)
+            trees.append(DraftTree(tuple(nodes), tuple(range(-1, len(nodes) - 1))))
+        return trees
+
+
+def run(name, budget, target, requests, config, batch_size, drafter=None, trace=None) -> Row:
+    nfe, outputs = [], []
+    steps = tokens = 0
+    drafter_seconds = 0.0
+    t0 = time.perf_counter()
+    for s in range(0, len(requests), batch_size):
+        batch = requests[s : s + batch_size]
+        for r in generate(target, batch, config, drafter=drafter, trace=trace):
+            nfe.append(r.stats.nfe)
+            steps += r.stats.steps
+            drafter_seconds += r.stats.drafter_seconds
+            ids = r.tokens.tolist()
+            tokens += next((i for i, t in enumerate(ids) if t in target.eos_ids), len(ids))
+            outputs.append(ids)
+    return Row(
+        name, str(budget), nfe, steps, tokens, time.perf_counter() - t0, drafter_seconds, outputs
+    )
+
+
+def pct(values, q):
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def table(target_name: str, rows: list[Row], config: DecodingConfig, batch_size: int) -> str:
+    base, spiffy = rows[0], next((r for r in rows if r.name.startswith("Spiffy")), None)
+    lines = [
+        f"### {target_name} — block {config.block_length}, gen {config.gen_length}, "
+        f"{config.rule}, T={config.temperature}, batch {batch_size}, {len(base.nfe)} prompts",
+        "",
+        "| decoder | budget | NFE mean | p50 | p95 | steps/forward | NFE vs draft-free | "
+        "NFE vs Spiffy | tokens/s | speed-up | drafter share | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        vs_spiffy = f"{1 - r.mean_nfe / spiffy.mean_nfe:+.0%}" if spiffy else "–"
+        tps = r.tokens / r.seconds
+        lines.append(
+            f"| {r.name} | {r.budget} | {r.mean_nfe:.1f} | {pct(r.nfe, 50):.0f} | "
+            f"{pct(r.nfe, 95):.0f} | {r.steps / sum(r.nfe):.2f} | "
+            f"{base.mean_nfe / r.mean_nfe:.2f}x | {vs_spiffy} | {tps:.1f} | "
+            f"{tps / (base.tokens / base.seconds):.2f}x | "
+            f"{r.drafter_seconds / r.seconds:.1%} | "
+            f"{'yes' if r.outputs == base.outputs else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--targets", nargs="+", default=["sdar-tiny"])
+    p.add_argument("--transfer-from", default=None, help="target whose drafters to transfer")
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--gen-length", type=int, default=128)
+    p.add_argument("--rule", choices=["static", "threshold"], default="static")
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    for name in args.targets:
+        bench_target(name, args)
+
+
+def bench_target(name: str, args) -> None:
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{name}", args.dtype)
+    requests = encode(tokenizer, corpus_prompts("heldout", args.prompts))
+    static = DecodingConfig(
+        gen_length=args.gen_length,
+        block_length=args.block_length,
+        temperature=args.temperature,
+    )
+    config = (
+        static
+        if args.rule == "static"
+        else DecodingConfig(
+            gen_length=args.gen_length,
+            block_length=args.block_length,
+            rule="threshold",
+            threshold=args.threshold,
+            temperature=args.temperature,
+        )
+    )
+    commits: dict[tuple[int, int], torch.Tensor] = {}
+    keys = []
+
+    def record(index, state, logits, successor, hidden):
+        b = config.block_length
+        width = state.span.numel()
+        before, after = state.block(b), successor.span[width - b : width]
+        commits[(keys[index], state.step)] = (before == target.mask_id) & (after != before)
+
+    rows = []
+    if args.rule == "threshold":
+        rows.append(run("standard (1 token/step)", 0, target, requests, static, args.batch_size))
+    base_name = "draft-free" if args.rule == "static" else f"threshold {args.threshold}"
+    for s in range(0, len(requests), args.batch_size):
+        keys[:] = [r.key for r in requests[s : s + args.batch_size]]
+        generate(target, requests[s : s + args.batch_size], config, trace=record)
+    rows.append(run(base_name, 0, target, requests, config, args.batch_size))
+    cost = measure_forward_cost(
+        target,
+        args.block_length,
+        4 * args.block_length,
+        [1, 2, 4, 8, 16, 32, args.batch_size * (args.budget + 1)],
+    )
+    sources = [name] + ([args.transfer_from] if args.transfer_from not in (None, name) else [])
+    kinds = ["spiffy", "spot"] if args.rule == "static" else ["spot-sets"]
+    for source in sources:
+        for kind in kinds:
+            path = builtin_drafter(source, kind, args.block_length, args.rule)
+            label = {"spiffy": "Spiffy", "spot": "SPOT", "spot-sets": "SPOT-Sets"}[kind]
+            if source != name:
+                label += f" (from {source})"
+            if kind == "spot-sets" and source != name:
+                continue  # the set model's projections are per target width
+            drafter = load_drafter(kind, path, args.budget, target)
+            rows.append(run(label, args.budget, target, requests, config, args.batch_size, drafter))
+            if kind != "spiffy" and source == name:
+                curve = AcceptanceCurve.from_dict(read_header(path)["acceptance_curve"])
+                auto = AutoBudget(load_drafter(kind, path, args.budget, target), curve, cost)
+                row = run(label + " auto", "auto", target, requests, config, args.batch_size, auto)
+                row.budget = f"auto→{auto.chosen}"
+                rows.append(row)
+    if args.rule == "static":
+        rows.append(
+            run(
+                "order oracle",
+                args.budget,
+                target,
+                requests,
+                config,
+                args.batch_size,
+                OrderOracle(commits, args.budget),
+            )
+        )
+    print(table(name, rows, config, args.batch_size))
+    print()
+    print(
+        "forward cost (states -> ms):",
+        ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(cost.states, cost.seconds)),
+    )
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Commands that make drafters for a target: record its own trajectories, train SPOT or
+SPOT-Sets on them, calibrate Spiffy's draft graph; and measure the acceptance curve that
+`drafter.budget: auto` needs.
+
+    spot-pipeline record-trajectories --model builtin:sdar-tiny --out traj.pt
+    spot-pipeline train-drafter --kind spot --trajectories traj.pt --model builtin:sdar-tiny \
+        --out spot.safetensors
+    spot-pipeline calibrate-spiffy --trajectories traj.pt --out spiffy.json
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+import torch
+from tqdm import tqdm
+
+from pipeline.corpus import examples, read_jsonl
+from spot.budget import acceptance_curve
+from spot.builtin import resolve_builtin
+from spot.config import DecodingConfig
+from spot.decode import Request, generate
+from spot.drafters.order_model import OrderModelConfig
+from spot.drafters.spiffy import calibrate
+from spot.drafters.spot import SpotDrafter
+from spot.drafters.spot_sets import SetModelConfig, SpotSetsDrafter
+from spot.drafters.training import build_samples, train_order_model, train_set_model
+from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
+from spot.models.drafter_files import save_order_model
+from spot.noise import request_key
+
+CURVE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def load_model_and_tokenizer(path: str, dtype: str = "float32"):
+    from transformers import AutoTokenizer
+
+    from spot.models.loading import load_target
+
+    local = resolve_builtin(path) if path.startswith("builtin:") else Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
+    return tokenizer, load_target(local, dtype=getattr(torch, dtype))
+
+
+def corpus_prompts(split: str, count: int, seed: int = 0) -> list[dict]:
+    """Prompts of the bundled corpus: the train split, or the shipped held-out file."""
+    if split == "heldout":
+        return read_jsonl(resolve_builtin("prompts/heldout.jsonl"))[:count]
+    stream = examples(seed, "train")
+    return [{"id": f"train-{i}", "prompt": next(stream).prompt} for i in range(count)]
+
+
+def encode(tokenizer, prompts: Sequence[dict]) -> list[Request]:
+    out = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append(Request(torch.tensor(ids), request_key(p["id"])))
+    return out
+
+
+def record(
+    target,
+    requests: Sequence[Request],
+    config: DecodingConfig,
+    batch_size: int,
+    hidden: bool,
+) -> Trajectories:
+    recorder = TrajectoryRecorder([], config.block_length, target.mask_id, record_hidden=hidden)
+    for s in tqdm(range(0, len(requests), batch_size), desc="recording", unit="batch"):
+        batch = requests[s : s + batch_size]
+        recorder.keys = [r.key for r in batch]
+        generate(target, batch, config, trace=recorder)
+    meta = {
+        "steps_per_block": config.steps_per_block,
+        "block_length": config.block_length,
+        "gen_length": config.gen_length,
+        "rule": config.rule,
+        "threshold": config.threshold,
+        "temperature": config.temperature,
+        "seed": config.seed,
+        "confidence": config.confidence or target.confidence,
+        "vocab_size": target.vocab_size,
+        "hidden_size": target.hidden_size,
+        "requests": len(requests),
+    }
+    return recorder.result(meta)
+
+
+def measure_acceptance(target, drafter, requests, config, batch_size: int) -> dict:
+    """Steps per forward for every budget up to the drafter's, from one run (trees grow
+    best-first, so a smaller budget's tree is a prefix of the larger one)."""
+    walks = []
+    for s in range(0, len(requests), batch_size):
+        generate(
+            target,
+            requests[s : s + batch_size],
+            config,
+            drafter=drafter,
+            on_walk=lambda i, tree, path: walks.append((tree, path)),
+        )
+    budgets = [b for b in CURVE_BUDGETS if b <= drafter.budget]
+    return acceptance_curve(walks, budgets).to_dict()
+
+
+def decoding_options(f):
+    for option in reversed(
+        [
+            click.option("--block-length", default=32, show_default=True),
+            click.option("--gen-length", default=128, show_default=True),
+            click.option(
+                "--rule",
+                type=click.Choice(["static", "threshold", "sdar_dynamic"]),
+                default="static",
+                show_default=True,
+            ),
+            click.option("--threshold", default=0.9, show_default=True),
+            click.option("--tokens-per-step", default=1, show_default=True),
+            click.option("--temperature", default=0.0, show_default=True),
+            click.option("--seed", default=0, show_default=True),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def _config(kw) -> DecodingConfig:
+    return DecodingConfig(
+        gen_length=kw["gen_length"],
+        block_length=kw["block_length"],
+        rule=kw["rule"],
+        threshold=kw["threshold"],
+        tokens_per_step=kw["tokens_per_step"],
+        temperature=kw["temperature"],
+        seed=kw["seed"],
+    )
+
+
+@click.command("record-trajectories")
+@click.option("--model", "model_path", required=True, help="builtin:<name> or checkpoint dir")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="dataset file (.pt)")
+@click.option("--prompts", default=400, show_default=True, help="corpus train prompts to use")
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--hidden/--no-hidden", default=False, help="also keep hidden states (SPOT-Sets)")
+@decoding_options
+def record_command(model_path, out, prompts, batch_size, hidden, **kw):
+    """Run the target's own draft-free decoding and store what drafters learn from."""
+    config = _config(kw)
+    tokenizer, target = load_model_and_tokenizer(model_path)
+    requests = encode(tokenizer, corpus_prompts("train", prompts, kw["seed"]))
+    traj = record(target, requests, config, batch_size, hidden)
+    traj.meta["model"] = model_path
+    traj.save(out)
+    click.echo(f"{traj.segment.numel()} transitions of {len(requests)} requests -> {out}")
+
+
+@click.command("train-drafter")
+@click.option("--kind", type=click.Choice(["spot", "spot-sets"]), default="spot")
+@click.option("--trajectories", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False))
+@click.option("--model", "model_path", required=True, help="the target (embeddings, evaluation)")
+@click.option("--epochs", default=6, show_default=True)
+@click.option("--heldout", default=0.1, show_default=True, help="fraction of blocks held out")
+@click.option("--budget", default=16, show_default=True, help="tree budget of the curve run")
+@click.option("--eval-prompts", default=40, show_default=True, help="held-out prompts")
+def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, eval_prompts):
+    """Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories."""
+    traj = Trajectories.load(trajectories)
+    meta = traj.meta
+    tokenizer, target = load_model_and_tokenizer(model_path)
+    train, held = traj.split(heldout)
+    bar = tqdm(desc=f"training {kind}", unit="step")
+
+    def progress(step, total, loss):
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    if kind == "spot":
+        cfg = OrderModelConfig()
+        model, metrics = train_order_model(
+            build_samples(train, cfg), build_samples(held, cfg), cfg, epochs, progress=progress
+        )
+        drafter = SpotDrafter(model, budget)
+    else:
+        if traj.hidden is None:
+            raise click.UsageError("SPOT-Sets needs trajectories recorded with --hidden")
+        cfg = SetModelConfig(target_hidden_size=int(meta["hidden_size"]))
+        model, metrics = train_set_model(
+            build_samples(train, cfg),
+            build_samples(held, cfg),
+            train.hidden,
+            held.hidden,
+            target.embed,
+            cfg,
+            epochs,
+            progress=progress,
+        )
+        drafter = SpotSetsDrafter(model, target.embed, budget)
+    bar.close()
+    config = DecodingConfig(
+        gen_length=int(meta["gen_length"]),
+        block_length=int(meta["block_length"]),
+        rule=meta["rule"],
+        threshold=float(meta["threshold"]),
+        tokens_per_step=int(meta["block_length"]) // int(meta["steps_per_block"]),
+        temperature=float(meta["temperature"]),
+        seed=int(meta["seed"]),
+    )
+    requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
+    curve = measure_acceptance(target, drafter, requests, config, batch_size=8)
+    header = {
+        "trained_on": {k: meta[k] for k in meta if k != "requests"} | {"model": model_path},
+        "metrics": metrics,
+        "acceptance_curve": curve,
+    }
+    save_order_model(out, model, kind, header)
+    click.echo(json.dumps({"out": out, **metrics, "acceptance_curve": curve}, indent=1))
+
+
+@click.command("calibrate-spiffy")
+@click.option("--trajectories", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False))
+@click.option("--budget", default=16, show_default=True, help="draft graph nodes (Spiffy's D)")
+@click.option("--depth", default=8, show_default=True)
+def calibrate_command(trajectories, out, budget, depth):
+    """Calibrate Spiffy's draft graph on traced draft-free trajectories."""
+    graph = calibrate(Trajectories.load(trajectories), budget, depth)
+    graph.save(out)
+    click.echo(f"{len(graph.paths)} nodes, deepest {max(map(len, graph.paths))} -> {out}")
+
+
+COMMANDS = (record_command, train_command, calibrate_command)
