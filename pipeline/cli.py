@@ -1,0 +1,130 @@
+"""`spot-pipeline`: submit, validate and report batch-generation jobs.
+
+Commands are imported only when used (so `--help` and `validate` start fast). To add one,
+write a click command in its own module and name it in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+COMMANDS = {
+    "report": "pipeline.report:report_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands live in modules imported on first use."""
+
+    def __init__(self, *args, lazy_commands: dict[str, str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = lazy_commands
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy_commands:
+            module, attribute = self.lazy_commands[name].split(":")
+            return getattr(importlib.import_module(module), attribute)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, lazy_commands=COMMANDS)
+def main() -> None:
+    """Lossless speculative decoding (SPOT) for diffusion LMs, as Ray Data batch jobs."""
+
+
+def _load_or_exit(job_file: str, overrides: tuple[str, ...]):
+    from pipeline.job import JobError, load_job
+
+    try:
+        return load_job(job_file, overrides)
+    except JobError as error:
+        click.echo(f"invalid job {job_file}:", err=True)
+        for problem in error.problems:
+            click.echo(f"  {problem}", err=True)
+        sys.exit(2)
+
+
+def _plan_or_exit(job, job_file: str):
+    from pipeline.inputs import plan_input
+    from pipeline.job import JobError
+
+    try:
+        return plan_input(job.input)
+    except JobError as error:
+        click.echo(f"invalid job {job_file}:", err=True)
+        for problem in error.problems:
+            click.echo(f"  {problem}", err=True)
+        sys.exit(2)
+
+
+_set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
+    help="Override a job key, e.g. --set decoding.temperature=0.7 (repeatable).",
+)
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+def validate(job_file: str, overrides: tuple[str, ...]) -> None:
+    """Check JOB_FILE (schema, paths, builtins, input columns) without running it."""
+    job = _load_or_exit(job_file, overrides)
+    plan = _plan_or_exit(job, job_file)
+    duplicates = plan.duplicate_ids.num_rows
+    click.echo(
+        f"ok: {job.name}: {plan.num_rows} rows in {len(plan.files)} file(s), "
+        f"{duplicates} duplicated id(s), model {job.model.path}, drafter {job.drafter_label()}, "
+        f"output {job.output.path}"
+    )
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option(
+    "--address",
+    default=None,
+    help="Ray cluster (dashboard address, e.g. http://head:8265) to submit to through the Ray "
+    "Jobs API; default: $RAY_ADDRESS, else an embedded local Ray.",
+)
+@click.option("--in-cluster", is_flag=True, hidden=True, help="Run inside a Ray job.")
+@click.option(
+    "--progress-interval", default=10.0, show_default=True, help="Seconds between progress lines."
+)
+def submit(
+    job_file: str,
+    overrides: tuple[str, ...],
+    address: str | None,
+    in_cluster: bool,
+    progress_interval: float,
+) -> None:
+    """Run JOB_FILE: generate every row not yet in its output, then write summary.json."""
+    job = _load_or_exit(job_file, overrides)
+    _plan_or_exit(job, job_file)
+    from pipeline.runner import run_job, submit_to_cluster
+
+    if in_cluster:
+        run_job(job, ray_address="auto", echo=click.echo, progress_interval=progress_interval)
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        submit_to_cluster(job, address, echo=click.echo)
+        return
+    run_job(job, echo=click.echo, progress_interval=progress_interval)
+
+
+main.add_command(submit)
+main.add_command(validate)
+
+if __name__ == "__main__":
+    main()

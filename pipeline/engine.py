@@ -1,0 +1,198 @@
+"""The engine one replica holds: tokenizer, target and drafter, built once; it turns a batch
+of input rows into output rows.
+
+Every row comes back: a row that cannot be generated (no id, duplicate id, null / empty /
+non-string prompt, prompt too long for the target, a failure inside generation) becomes a row
+with `error` set and no completion, never a failed batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from pipeline.job import Job, resolve_path
+from pipeline.schema import GENERATED_FIELDS, ID, PROMPT, ROW_ERROR, SAMPLE_INDEX
+from spot import noise
+from spot.decode import Drafter, Request, Result, generate
+from spot.target import Target
+from spot.tree import Layout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def load_model(job: Job) -> tuple[Any, Target]:
+    """The tokenizer and target of job.model, from local files only."""
+    from transformers import AutoTokenizer
+
+    from spot.models.loading import load_target
+
+    path = resolve_path(job.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    target = load_target(path, dtype=_DTYPES[job.model.dtype], family=job.model.family)
+    return tokenizer, target
+
+
+def build_drafter(job: Job, target: Target) -> Drafter | None:
+    """The job's drafter; job validation admits only the kinds implemented here."""
+    if job.drafter.kind == "none":
+        return None
+    raise ValueError(f"drafter kind {job.drafter.kind!r} is not available")
+
+
+ModelLoader = Callable[[Job], tuple[Any, Target]]
+
+
+class Engine:
+    """Rows in, rows out, for one replica. Knows the tokenizer; `spot` sees token ids only."""
+
+    def __init__(self, job: Job, model_loader: ModelLoader = load_model):
+        self.job = job
+        self.config = job.decoding_config()
+        self.tokenizer, self.target = model_loader(job)
+        self.drafter = build_drafter(job, self.target)
+        self.drafter_label = job.drafter_label()
+        self.eos_ids = torch.tensor(self.target.eos_ids)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Prompt token ids, through the chat template when the job asks for it."""
+        if self.job.input.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def needed_length(self, prompt_length: int) -> int:
+        """Positions the target must hold for a prompt of this length (its block grid)."""
+        layout = Layout.for_prompt(
+            prompt_length,
+            self.config.gen_length,
+            self.config.block_length,
+            self.config.steps_per_block,
+            self.target.absolute_block_grid,
+            self.target.mask_id,
+            self.target.eos_ids,
+        )
+        return layout.total_length
+
+    def _prompt_ids(
+        self, row_error: str | None, prompt: Any
+    ) -> tuple[list[int] | None, str | None]:
+        if row_error is not None:
+            return None, row_error
+        if prompt is None:
+            return None, "prompt is null"
+        if not isinstance(prompt, str):
+            return None, f"prompt is not a string ({type(prompt).__name__})"
+        if not prompt.strip():
+            return None, "prompt is empty"
+        try:
+            ids = self.encode(prompt)
+        except Exception as error:  # a tokenizer failure is this row's problem only
+            return None, f"cannot tokenize prompt: {type(error).__name__}: {error}"
+        needed = self.needed_length(len(ids))
+        if needed > self.target.max_length:
+            return None, (
+                f"prompt too long: {len(ids)} tokens + gen_length {self.config.gen_length} "
+                f"need {needed} positions, the target accepts {self.target.max_length}"
+            )
+        return ids, None
+
+    def _generate(self, requests: Sequence[Request]) -> list[Result | str]:
+        """Results in request order; a request that fails even alone yields its error text."""
+        out: list[Result | str] = []
+        size = self.job.resources.batch_size
+        for start in range(0, len(requests), size):
+            chunk = requests[start : start + size]
+            try:
+                out.extend(generate(self.target, chunk, self.config, self.drafter))
+            except Exception:
+                out.extend(self._generate_alone(chunk))
+        return out
+
+    def _generate_alone(self, requests: Sequence[Request]) -> list[Result | str]:
+        out: list[Result | str] = []
+        for request in requests:
+            try:
+                out.extend(generate(self.target, [request], self.config, self.drafter))
+            except Exception as error:
+                out.append(f"generation failed: {type(error).__name__}: {error}")
+        return out
+
+    def _completion_ids(self, tokens: torch.Tensor) -> list[int]:
+        """Generated ids up to and including the first EOS (the EOS fill after it dropped)."""
+        is_eos = torch.isin(tokens, self.eos_ids)
+        if bool(is_eos.any()):
+            tokens = tokens[: int(is_eos.nonzero()[0, 0]) + 1]
+        return tokens.tolist()
+
+    def process(self, batch: pa.Table) -> pa.Table:
+        """Output rows for `batch` (columns id, prompt, sample_index, _row_error and the
+        carried input columns), in the same order."""
+        ids = batch.column(ID).to_pylist()
+        prompts = batch.column(PROMPT).to_pylist()
+        samples = batch.column(SAMPLE_INDEX).to_pylist()
+        row_errors = batch.column(ROW_ERROR).to_pylist()
+        columns: dict[str, list] = {f.name: [None] * batch.num_rows for f in GENERATED_FIELDS}
+        columns["model"] = [self.job.model.path] * batch.num_rows
+        columns["drafter"] = [self.drafter_label] * batch.num_rows
+        columns["seed"] = [self.config.seed] * batch.num_rows
+
+        pending: list[int] = []
+        requests: list[Request] = []
+        for i, (row_id, prompt, sample, row_error) in enumerate(
+            zip(ids, prompts, samples, row_errors)
+        ):
+            prompt_ids, error = self._prompt_ids(row_error, prompt)
+            if error is not None:
+                columns["error"][i] = error
+                columns["finish_reason"][i] = "error"
+                continue
+            columns["num_prompt_tokens"][i] = len(prompt_ids)
+            key = noise.request_key(row_id, sample)
+            requests.append(Request(torch.tensor(prompt_ids, dtype=torch.long), key))
+            pending.append(i)
+
+        for i, result in zip(pending, self._generate(requests)):
+            if isinstance(result, str):
+                columns["error"][i] = result
+                columns["finish_reason"][i] = "error"
+                continue
+            completion_ids = self._completion_ids(result.tokens)
+            stats = result.stats
+            columns["completion"][i] = self.tokenizer.decode(
+                completion_ids, skip_special_tokens=True
+            )
+            columns["completion_token_ids"][i] = completion_ids
+            columns["num_generated_tokens"][i] = len(completion_ids)
+            columns["nfe"][i] = stats.nfe
+            columns["steps"][i] = stats.steps
+            columns["accepted_steps_per_forward"][i] = stats.steps_per_forward
+            columns["tree_nodes_verified"][i] = stats.tree_nodes
+            columns["drafter_seconds"][i] = stats.drafter_seconds
+            columns["wall_seconds"][i] = stats.wall_seconds
+            columns["finish_reason"][i] = result.finish_reason
+
+        return _output_table(batch, prompts, columns)
+
+
+def _output_table(batch: pa.Table, prompts: list[Any], columns: dict[str, list]) -> pa.Table:
+    """id, prompt (text or null), the generated fields, sample_index, carried columns."""
+    text = [p if isinstance(p, str) else None for p in prompts]
+    arrays = [batch.column(ID), pa.array(text, pa.string())]
+    names = [ID, PROMPT]
+    for field in GENERATED_FIELDS:
+        arrays.append(pa.array(columns[field.name], field.type))
+        names.append(field.name)
+    arrays.append(batch.column(SAMPLE_INDEX))
+    names.append(SAMPLE_INDEX)
+    for name in batch.column_names:
+        if name not in (ID, PROMPT, SAMPLE_INDEX, ROW_ERROR):
+            arrays.append(batch.column(name))
+            names.append(name)
+    return pa.Table.from_arrays(arrays, names=names)

@@ -1,0 +1,390 @@
+"""The job file: a typed, validated description of one batch-generation run.
+
+`load_job` reads a YAML file, applies `--set key.path=value` overrides, validates everything
+that can be checked without starting Ray (schema, decoding arithmetic, builtin names, paths,
+drafters that exist) and returns a `Job`. Errors name the key: `decoding.block_length: ...`.
+The validated object is passed down as is; nothing downstream reads raw dicts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from spot.config import DecodingConfig
+
+BUILTIN_PREFIX = "builtin:"
+IMPLEMENTED_DRAFTERS = ("none",)
+
+
+class JobError(ValueError):
+    """A job that cannot run; `problems` holds one `key.path: message` line per problem."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Section):
+    path: str = Field(
+        description="Parquet prompts: a file, a folder, a glob, a URI (s3://, gs://, ...) or "
+        "builtin:<name> for prompts shipped with the package."
+    )
+    id_column: str = Field(
+        "id",
+        description="Unique row id; the output's `id` column, the resume key and, with the job "
+        "seed, the coupled-noise key, so a row's completion does not depend on batching.",
+    )
+    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    chat_template: bool = Field(
+        True,
+        description="Wrap each prompt as a user turn of the tokenizer's chat template (instruct "
+        "targets); false feeds the raw text (base targets, few-shot prompts).",
+    )
+    limit: int | None = Field(
+        None, gt=0, description="Only the first N input rows (smoke runs); None reads them all."
+    )
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        description="builtin:<name>, a local checkpoint directory in the family's original "
+        "format, or a hub id already in the local cache (no download, no remote code)."
+    )
+    family: Literal["sdar", "llada", "dream", "llada2"] | None = Field(
+        None, description="Architecture family; None reads it from the checkpoint's config.json."
+    )
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
+        "float32",
+        description="bfloat16 halves memory and is faster on GPUs but its rounding can flip near-"
+        "ties, so completions may depend on batching; float64 (CPU) is exact and slow.",
+    )
+    tensor_parallel: int = Field(
+        1, ge=1, description="GPUs per replica the target is sharded over (large targets)."
+    )
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _tensor_parallel_available(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("tensor parallelism is not available yet; use 1")
+        return value
+
+
+class DrafterConfig(_Section):
+    kind: Literal["none", "spiffy", "spot", "spot-sets"] = Field(
+        "none",
+        description="none decodes draft-free; the others propose trees of future states that "
+        "one target forward verifies (same output, fewer forwards).",
+    )
+    path: str | None = Field(
+        None,
+        description="builtin:<name> or a drafter file; omitted with a bundled target, the "
+        "bundled drafter of this kind for that target is used.",
+    )
+    budget: int | Literal["auto"] = Field(
+        16,
+        description="Tree nodes verified per request per forward: larger trees accept more steps "
+        "per forward but make each forward wider; auto sizes it from the batch.",
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_available(cls, value: str) -> str:
+        if value not in IMPLEMENTED_DRAFTERS:
+            raise ValueError(
+                f"drafter {value!r} is not available in this version; "
+                f"available: {', '.join(IMPLEMENTED_DRAFTERS)}"
+            )
+        return value
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+
+class DecodingSection(_Section):
+    gen_length: int = Field(256, gt=0, description="New positions per request.")
+    block_length: int = Field(
+        32, gt=0, description="Positions decoded together; must divide gen_length."
+    )
+    rule: Literal["static", "threshold", "sdar_dynamic"] = Field(
+        "static",
+        description="static commits tokens_per_step positions per step (fixed NFE); threshold "
+        "commits every position at least `threshold` confident (fewer NFE, output depends on "
+        "the threshold); sdar_dynamic is SDAR's variant of it.",
+    )
+    tokens_per_step: int = Field(
+        1, gt=0, description="Static commits per step; must divide block_length."
+    )
+    threshold: float = Field(0.9, ge=0.0, le=1.0, description="Confidence threshold.")
+    temperature: float = Field(
+        0.0, ge=0.0, description="0 is greedy; > 0 samples with coupled noise keyed by the seed."
+    )
+    top_k: int | None = Field(None, gt=0, description="Sample among the k likeliest tokens.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    confidence: Literal["tempered", "untempered"] | None = Field(
+        None,
+        description="Which probability ranks positions at T > 0; None follows the family "
+        "(SDAR/Dream tempered, LLaDA untempered).",
+    )
+    seed: int = Field(0, ge=0, description="Job seed of the coupled noise.")
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Completions per prompt, each with its own noise key and `sample_index` "
+        "(rejection sampling, preference pairs); useful with temperature > 0.",
+    )
+
+    @field_validator("block_length")
+    @classmethod
+    def _block_divides_generation(cls, value: int, info) -> int:
+        gen_length = info.data.get("gen_length")
+        if gen_length is not None and gen_length % value:
+            raise ValueError(f"must divide gen_length ({gen_length})")
+        return value
+
+    @field_validator("tokens_per_step")
+    @classmethod
+    def _step_divides_block(cls, value: int, info) -> int:
+        block_length = info.data.get("block_length")
+        if block_length is not None and block_length % value:
+            raise ValueError(f"must divide block_length ({block_length})")
+        return value
+
+    def to_config(self) -> DecodingConfig:
+        """The decoding core's own config (samples_per_prompt is the pipeline's business)."""
+        return DecodingConfig(
+            gen_length=self.gen_length,
+            block_length=self.block_length,
+            rule=self.rule,
+            tokens_per_step=self.tokens_per_step,
+            threshold=self.threshold,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            confidence=self.confidence,
+            seed=self.seed,
+        )
+
+
+class ResourcesConfig(_Section):
+    replicas: int = Field(
+        1, ge=1, description="Actors each holding one copy of the target (data parallelism)."
+    )
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="Requests decoded together by one replica: larger batches use the "
+        "accelerator better but finished requests leave the batch, so very large ones idle.",
+    )
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica (0 on CPU).")
+    num_cpus: float = Field(
+        1.0,
+        gt=0.0,
+        description="CPUs per replica; also its torch thread count. On a small machine keep "
+        "replicas * num_cpus at or below the cores you have.",
+    )
+
+
+class OutputConfig(_Section):
+    path: str = Field(
+        description="Output folder (or URI): Parquet parts under data/, summary.json and the "
+        "report beside it. Submitting again to the same path resumes: ids already written "
+        "are skipped."
+    )
+
+
+class CostConfig(_Section):
+    usd_per_replica_hour: float = Field(
+        0.0, ge=0.0, description="Price of one replica for an hour, for $/1M tokens."
+    )
+
+
+class Job(_Section):
+    name: str = Field(min_length=1, description="A name for logs and the summary.")
+    input: InputConfig
+    model: ModelConfig
+    drafter: DrafterConfig = DrafterConfig()
+    decoding: DecodingSection = DecodingSection()
+    resources: ResourcesConfig = ResourcesConfig()
+    output: OutputConfig
+    cost: CostConfig = CostConfig()
+
+    def decoding_config(self) -> DecodingConfig:
+        return self.decoding.to_config()
+
+    def drafter_label(self) -> str:
+        """How the output's `drafter` column names the drafter."""
+        if self.drafter.kind == "none":
+            return "none"
+        return f"{self.drafter.kind}:{self.drafter.path or 'bundled'}"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def is_builtin(path: str) -> bool:
+    return path.startswith(BUILTIN_PREFIX)
+
+
+def resolve_path(path: str) -> str:
+    """A local or builtin path as an absolute local path; URIs unchanged.
+
+    builtin:<name> goes through the package's registry of bundled files."""
+    if is_builtin(path):
+        from spot.builtin import resolve_builtin
+
+        return str(resolve_builtin(path[len(BUILTIN_PREFIX) :]))
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
+    """`key.path=value` pairs; values are YAML scalars (`8`, `0.5`, `true`, `null`, `text`)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        keys = key.strip().split(".")
+        if not sep or not all(keys):
+            raise JobError([f"--set {item}: expected key.path=value"])
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as error:
+            raise JobError([f"{key}: cannot parse value {raw!r}: {error}"]) from error
+        if isinstance(value, dict | list):
+            raise JobError([f"{key}: --set takes a scalar value, got {raw!r}"])
+        parsed.append((keys, value))
+    return parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of `data` with the overrides applied; unknown keys are left for the schema to
+    reject, with their full path."""
+    data = yaml.safe_load(yaml.safe_dump(data))
+    for keys, value in parse_overrides(overrides):
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                path = ".".join(keys[: depth + 1])
+                raise JobError([f"{path}: is {child!r}, not a section; cannot set {keys[-1]}"])
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def _format_validation_error(error: ValidationError) -> list[str]:
+    problems = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "job"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            message = "missing (required)"
+        elif item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif "input" in item and item["type"] not in ("value_error",):
+            message = f"{message} (got {item['input']!r})"
+        problems.append(f"{path}: {message}")
+    return problems
+
+
+def parse_job(data: Any) -> Job:
+    """Schema validation only (no file system checks)."""
+    if not isinstance(data, dict):
+        raise JobError([f"job: expected a mapping of sections, got {type(data).__name__}"])
+    try:
+        return Job.model_validate(data)
+    except ValidationError as error:
+        raise JobError(_format_validation_error(error)) from error
+
+
+def check_paths(job: Job) -> None:
+    """Check that builtins resolve and local inputs/models exist, before any Ray starts."""
+    problems = []
+    for key, path in (
+        ("input.path", job.input.path),
+        ("model.path", job.model.path),
+        ("drafter.path", job.drafter.path),
+    ):
+        if path is None:
+            continue
+        try:
+            resolved = resolve_path(path)
+        except (ImportError, KeyError, ValueError, FileNotFoundError) as error:
+            problems.append(f"{key}: cannot resolve {path!r}: {_reason(error)}")
+            continue
+        if "://" in resolved:
+            continue
+        if key == "input.path" and not _glob_or_exists(resolved):
+            problems.append(f"{key}: no such file, folder or glob: {path!r}")
+        elif key == "model.path" and not Path(resolved, "config.json").is_file():
+            problems.append(f"{key}: {path!r} is not a checkpoint directory (no config.json)")
+        elif key == "drafter.path" and not Path(resolved).exists():
+            problems.append(f"{key}: no such file: {path!r}")
+    if not problems and job.input.chat_template:
+        model_dir = resolve_path(job.model.path)
+        if "://" not in model_dir and not _has_chat_template(Path(model_dir)):
+            problems.append(
+                "input.chat_template: the model's tokenizer has no chat template; "
+                "set input.chat_template: false"
+            )
+    if problems:
+        raise JobError(problems)
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, ImportError):
+        return "no bundled files are installed"
+    return str(error.args[0]) if error.args else type(error).__name__
+
+
+def _glob_or_exists(path: str) -> bool:
+    if any(ch in path for ch in "*?["):
+        import glob
+
+        return bool(glob.glob(path, recursive=True))
+    return os.path.exists(path)
+
+
+def _has_chat_template(model_dir: Path) -> bool:
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    import json
+
+    return bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def load_job(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Job:
+    """Read, override, validate and check a job file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise JobError([f"{path}: cannot read job file: {error.strerror}"]) from error
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise JobError([f"{path}: not valid YAML: {error}"]) from error
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise JobError([f"job: expected a mapping of sections, got {type(data).__name__}"])
+    job = parse_job(apply_overrides(data, overrides))
+    check_paths(job)
+    return job

@@ -1,0 +1,141 @@
+"""The output folder: Parquet parts under data/, written atomically, and what they already hold.
+
+Layout of `output.path`:
+  data/part-<hash>.parquet   the corpus (read it with pandas/pyarrow/datasets on data/)
+  summary.json               the job, versions, totals (beside data/, so readers of data/
+                             see Parquet only)
+  report/                    plots and an HTML page (`spot-pipeline report`)
+
+A part file is written under a hidden temporary name in data/ and renamed when complete, so
+a reader never sees half a file. Its name is a hash of the (id, sample_index) keys it holds:
+a write retried after a crash replaces its own file instead of adding a duplicate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from pipeline.inputs import id_keys
+from pipeline.schema import ID, SAMPLE_INDEX
+
+DATA_DIR = "data"
+SUMMARY_FILE = "summary.json"
+REPORT_DIR = "report"
+PARTIAL_SUFFIX = ".partial"
+
+
+class OutputDir:
+    """Paths inside one job's output folder, on any pyarrow file system."""
+
+    def __init__(self, path: str):
+        uri = path if "://" in path else os.path.abspath(os.path.expanduser(path))
+        self.filesystem, self.root = pafs.FileSystem.from_uri(uri)
+        self.uri = uri
+
+    @property
+    def data(self) -> str:
+        return posixpath.join(self.root, DATA_DIR)
+
+    @property
+    def summary(self) -> str:
+        return posixpath.join(self.root, SUMMARY_FILE)
+
+    def part_files(self) -> list[str]:
+        """Complete part files (temporary files are hidden and skipped)."""
+        if self.filesystem.get_file_info(self.data).type != pafs.FileType.Directory:
+            return []
+        infos = self.filesystem.get_file_info(pafs.FileSelector(self.data))
+        return sorted(
+            i.path
+            for i in infos
+            if i.type == pafs.FileType.File
+            and i.base_name.endswith(".parquet")
+            and not i.base_name.startswith((".", "_"))
+        )
+
+    def remove_partial_files(self) -> int:
+        """Delete temporaries left by writes that were killed; call before writing again."""
+        if self.filesystem.get_file_info(self.data).type != pafs.FileType.Directory:
+            return 0
+        infos = self.filesystem.get_file_info(pafs.FileSelector(self.data))
+        stale = [i.path for i in infos if i.base_name.endswith(PARTIAL_SUFFIX)]
+        for path in stale:
+            self.filesystem.delete_file(path)
+        return len(stale)
+
+    def read(self, columns: list[str] | None = None) -> pa.Table | None:
+        files = self.part_files()
+        if not files:
+            return None
+        dataset = pds.dataset(files, filesystem=self.filesystem, format="parquet")
+        return dataset.to_table(columns=columns)
+
+    def done_keys(self) -> pa.Array:
+        """`id<US>sample_index` of every row already written (the resume set)."""
+        table = self.read([ID, SAMPLE_INDEX])
+        if table is None:
+            return pa.array([], pa.string())
+        return row_keys(table.column(ID), table.column(SAMPLE_INDEX))
+
+    def read_summary(self) -> dict[str, Any] | None:
+        if self.filesystem.get_file_info(self.summary).type != pafs.FileType.File:
+            return None
+        with self.filesystem.open_input_stream(self.summary) as stream:
+            return json.loads(stream.read().decode())
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self.filesystem.create_dir(self.root, recursive=True)
+        write_atomically(
+            self.filesystem,
+            self.summary,
+            lambda f: f.write(json.dumps(summary, indent=2).encode()),
+        )
+
+
+def row_keys(ids: pa.Array | pa.ChunkedArray, samples: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One string key per output row: id and sample index joined by the unit separator."""
+    keys = pc.binary_join_element_wise(id_keys(ids), pc.cast(samples, pa.string()), "\x1f")
+    return keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+
+
+def write_atomically(filesystem: pafs.FileSystem, path: str, write) -> None:
+    """Write through a hidden temporary beside `path`, then rename it into place."""
+    directory, name = posixpath.split(path)
+    temporary = posixpath.join(directory, f".{name}{PARTIAL_SUFFIX}")
+    with filesystem.open_output_stream(temporary) as stream:
+        write(stream)
+    filesystem.move(temporary, path)
+
+
+def part_name(table: pa.Table) -> str:
+    """A name fixed by the rows' keys, so a retried write overwrites its own part."""
+    keys = row_keys(table.column(ID), table.column(SAMPLE_INDEX))
+    ordered = keys.take(pc.sort_indices(keys))
+    digest = hashlib.blake2b(digest_size=12)
+    for key in ordered.to_pylist():
+        digest.update(key.encode())
+        digest.update(b"\x1e")
+    return f"part-{digest.hexdigest()}.parquet"
+
+
+def write_part(output: OutputDir, tables: Iterable[pa.Table]) -> int:
+    """Write the rows of `tables` as one part file, atomically; returns the rows written."""
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return 0
+    table = pa.concat_tables(tables, promote_options="default")
+    output.filesystem.create_dir(output.data, recursive=True)
+    path = posixpath.join(output.data, part_name(table))
+    write_atomically(output.filesystem, path, lambda f: pq.write_table(table, f))
+    return table.num_rows

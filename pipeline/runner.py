@@ -1,0 +1,364 @@
+"""Run a job on Ray Data: read_parquet -> expand samples, skip done rows -> repartition ->
+map_batches(GenerationActor) -> atomic Parquet parts, then summary.json.
+
+Embedded local Ray by default (started and stopped here, files in a temporary folder under
+/tmp); `ray_address` connects to an existing cluster instead (used inside a Ray Jobs
+submission, see `submit_to_cluster`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+from ray.data import ActorPoolStrategy, DataContext
+from ray.data.block import BlockAccessor
+from ray.data.datasource import Datasink
+from ray.data.datasource.datasink import WriteResult
+
+from pipeline.engine import Engine, ModelLoader, load_model
+from pipeline.inputs import InputPlan, id_keys, plan_input
+from pipeline.job import Job, is_builtin
+from pipeline.output import OutputDir, row_keys, write_part
+from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
+from pipeline.summary import build_summary
+
+Echo = Callable[[str], None]
+
+# Blocks are what replicas are handed and what part files hold: enough of them that every
+# replica gets work and a crash loses little, few enough that part files stay large.
+BLOCKS_PER_REPLICA = 4
+MAX_BATCHES_PER_BLOCK = 32
+
+
+class GenerationActor:
+    """One replica: builds the engine once, then maps batches of rows to output rows."""
+
+    def __init__(self, job: Job, model_loader: ModelLoader):
+        import torch
+
+        torch.set_num_threads(max(1, round(job.resources.num_cpus)))
+        self.engine = Engine(job, model_loader)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.engine.process(batch)
+
+
+class AtomicParquetDatasink(Datasink[int]):
+    """Each write task writes its blocks as one part file, atomically (see pipeline.output)."""
+
+    def __init__(self, output: OutputDir):
+        self.output = output
+        self.rows_written = 0
+
+    def write(self, blocks, ctx) -> int:
+        return write_part(self.output, (BlockAccessor.for_block(b).to_arrow() for b in blocks))
+
+    def on_write_complete(self, write_result: WriteResult[int]) -> None:
+        self.rows_written = sum(write_result.write_returns)
+
+
+def expand_rows(
+    batch: pa.Table,
+    *,
+    renamed: dict[str, str],
+    samples: int,
+    shared: dict[str, Any],
+) -> pa.Table:
+    """Input rows -> one row per (row, sample), rows already written dropped; marks rows
+    whose id is null or duplicated with their error before any model sees them."""
+    done, duplicates = ray.get([shared["done"], shared["duplicates"]])
+    batch = batch.rename_columns([renamed[n] for n in batch.column_names])
+    keys = id_keys(batch.column(ID))
+    position = pc.index_in(keys, value_set=duplicates.column("key"))
+    counts = pc.take(duplicates.column("count"), position).to_pylist()
+    nulls = pc.is_null(batch.column(ID)).to_pylist()
+    errors = [
+        "id is null"
+        if is_null
+        else f"duplicate id: appears {count} times in the input"
+        if count is not None
+        else None
+        for is_null, count in zip(nulls, counts)
+    ]
+    batch = batch.append_column(ROW_ERROR, pa.array(errors, pa.string()))
+    rows = np.repeat(np.arange(batch.num_rows), samples)
+    expanded = batch.take(rows).append_column(
+        SAMPLE_INDEX, pa.array(np.tile(np.arange(samples, dtype=np.int64), batch.num_rows))
+    )
+    if len(done) == 0:
+        return expanded
+    written = pc.is_in(row_keys(expanded.column(ID), expanded.column(SAMPLE_INDEX)), value_set=done)
+    return expanded.filter(pc.invert(written))
+
+
+def rows_per_block(pending_rows: int, job: Job) -> int:
+    batch = job.resources.batch_size
+    wanted = math.ceil(pending_rows / (job.resources.replicas * BLOCKS_PER_REPLICA))
+    return min(max(wanted, batch), batch * MAX_BATCHES_PER_BLOCK)
+
+
+@contextmanager
+def ray_session(job: Job, address: str | None) -> Iterator[None]:
+    """Connect to `address`, reuse a running local Ray, or start an embedded one sized so
+    the read and write tasks always find a free CPU beside the replicas."""
+    if ray.is_initialized():
+        yield
+        return
+    if address is not None:
+        ray.init(address=address)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster of this process
+    temp_dir = tempfile.mkdtemp(prefix="spot-ray-")
+    replica_cpus = math.ceil(job.resources.replicas * job.resources.num_cpus)
+    ray.init(
+        num_cpus=max(4, replica_cpus + 2),
+        _temp_dir=temp_dir,
+        include_dashboard=False,
+        configure_logging=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class _ProgressPrinter:
+    """Every `interval` seconds, reads the part files written since the run began (a few
+    columns) and prints rows done, tokens/s and mean NFE; keeps the samples for the report.
+    Progress is what is safely on disk, so it moves a block at a time."""
+
+    def __init__(self, output: OutputDir, total_rows: int, echo: Echo, interval: float):
+        self.output = output
+        self.total_rows = total_rows
+        self.echo = echo
+        self.interval = interval
+        self.seen = set(output.part_files())
+        self.rows = self.errors = self.tokens = self.nfe = 0
+        self.samples: list[list[float]] = []
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> _ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        new = [f for f in self.output.part_files() if f not in self.seen]
+        for path in new:
+            self.seen.add(path)
+            part = pq.read_table(
+                path,
+                columns=["error", "num_generated_tokens", "nfe"],
+                filesystem=self.output.filesystem,
+            )
+            self.rows += part.num_rows
+            self.errors += part.num_rows - part.column("error").null_count
+            self.tokens += pc.sum(part.column("num_generated_tokens")).as_py() or 0
+            self.nfe += pc.sum(part.column("nfe")).as_py() or 0
+        elapsed = time.perf_counter() - self.start
+        self.samples.append([elapsed, self.rows, self.tokens, self.nfe])
+        generated = self.rows - self.errors
+        self.echo(
+            f"[progress] {self.rows}/{self.total_rows} rows ({self.errors} errors) | "
+            f"{self.tokens / max(elapsed, 1e-9):.1f} tok/s | "
+            f"mean NFE {self.nfe / generated if generated else 0.0:.1f} | elapsed {elapsed:.0f}s"
+        )
+
+
+def run_job(
+    job: Job,
+    *,
+    model_loader: ModelLoader = load_model,
+    actor_class: type = GenerationActor,
+    ray_address: str | None = None,
+    echo: Echo = print,
+    progress_interval: float = 10.0,
+) -> dict[str, Any]:
+    """Generate every (id, sample) not yet in job.output.path; returns the new summary."""
+    plan = plan_input(job.input)
+    output = OutputDir(job.output.path)
+    output.remove_partial_files()
+    done = output.done_keys()
+    pending = plan.num_rows * job.decoding.samples_per_prompt - len(done)
+    echo(
+        f"[{job.name}] {plan.num_rows} input rows x {job.decoding.samples_per_prompt} samples; "
+        f"{len(done)} already written, {max(pending, 0)} to generate -> {output.uri}"
+    )
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    start = time.perf_counter()
+    with ray_session(job, ray_address):
+        samples = _execute(
+            job,
+            plan,
+            output,
+            done,
+            max(pending, 0),
+            model_loader,
+            actor_class,
+            echo,
+            progress_interval,
+        )
+    wall = time.perf_counter() - start
+
+    table = output.read()
+    previous = output.read_summary() or {}
+    this_run = _run_record(job, table, done, started, wall, samples)
+    summary = build_summary(job, table, [*previous.get("runs", []), this_run])
+    output.write_summary(summary)
+    totals = summary["totals"]
+    echo(
+        f"[{job.name}] done: {totals['rows']} rows ({totals['errors']} errors), "
+        f"{totals['generated_tokens']} tokens, mean NFE {totals.get('nfe_mean', 0.0):.1f}, "
+        f"{this_run['generated_tokens'] / max(wall, 1e-9):.1f} tok/s this run, {wall:.1f}s"
+    )
+    return summary
+
+
+def _execute(
+    job: Job,
+    plan: InputPlan,
+    output: OutputDir,
+    done: pa.Array,
+    pending: int,
+    model_loader: ModelLoader,
+    actor_class: type,
+    echo: Echo,
+    progress_interval: float,
+) -> list[list[float]]:
+    """The Ray Data pipeline; returns the progress samples."""
+    context = DataContext.get_current()
+    context.print_on_execution_start = False
+    if plan.limited is not None:
+        dataset = ray.data.from_arrow(plan.limited)
+    elif plan.format == "json":
+        dataset = ray.data.read_json(plan.files, filesystem=plan.filesystem, lines=True)
+    else:
+        dataset = ray.data.read_parquet(plan.files, filesystem=plan.filesystem)
+    shared = {"done": ray.put(done), "duplicates": ray.put(plan.duplicate_ids)}
+    dataset = dataset.map_batches(
+        expand_rows,
+        batch_format="pyarrow",
+        fn_kwargs={
+            "renamed": plan.renamed,
+            "samples": job.decoding.samples_per_prompt,
+            "shared": shared,
+        },
+    )
+    dataset = dataset.repartition(target_num_rows_per_block=rows_per_block(pending, job))
+    dataset = dataset.map_batches(
+        actor_class,
+        batch_format="pyarrow",
+        batch_size=job.resources.batch_size,
+        compute=ActorPoolStrategy(size=job.resources.replicas),
+        fn_constructor_kwargs={"job": job, "model_loader": model_loader},
+        num_cpus=job.resources.num_cpus,
+        num_gpus=job.resources.num_gpus,
+    )  # Ray Data's defaults restart a replica that dies and retry its batch elsewhere
+    sink = AtomicParquetDatasink(output)
+    with _ProgressPrinter(output, pending, echo, progress_interval) as printer:
+        dataset.write_datasink(sink)
+    return printer.samples
+
+
+def _run_record(
+    job: Job,
+    table: pa.Table | None,
+    done_before: pa.Array,
+    started: str,
+    wall: float,
+    samples: list[list[float]],
+) -> dict[str, Any]:
+    """This run's share of the output: rows and tokens not written before it."""
+    rows = tokens = 0
+    if table is not None:
+        new = pc.invert(
+            pc.is_in(row_keys(table.column(ID), table.column(SAMPLE_INDEX)), done_before)
+        )
+        rows = int(pc.sum(new.cast(pa.int64())).as_py() or 0)
+        tokens = int(pc.sum(pc.filter(table.column("num_generated_tokens"), new)).as_py() or 0)
+    return {
+        "started_at": started,
+        "wall_seconds": wall,
+        "replicas": job.resources.replicas,
+        "rows_written": rows,
+        "generated_tokens": tokens,
+        "tokens_per_second": tokens / wall if wall > 0 else None,
+        "progress": samples,
+    }
+
+
+def submit_to_cluster(job: Job, address: str, echo: Echo = print) -> None:
+    """Submit the job through the Ray Jobs API and follow its logs until it ends."""
+    import asyncio
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    packages = [
+        str(Path(__file__).resolve().parent),
+        str(Path(__file__).resolve().parents[1] / "spot"),
+    ]
+    with tempfile.TemporaryDirectory(prefix="spot-job-") as working_dir:
+        Path(working_dir, "job.yaml").write_text(_portable(job).to_yaml())
+        job_id = client.submit_job(
+            entrypoint="python -m pipeline.cli submit job.yaml --in-cluster",
+            runtime_env={"working_dir": working_dir, "py_modules": packages},
+        )
+    echo(f"[{job.name}] submitted as Ray job {job_id} to {address}")
+
+    async def follow() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            echo(lines.rstrip("\n"))
+
+    asyncio.run(follow())
+    status = client.get_job_status(job_id)
+    if status != JobStatus.SUCCEEDED:
+        raise RuntimeError(f"Ray job {job_id} ended {status}")
+
+
+def _portable(job: Job) -> Job:
+    """The job with local paths made absolute, so the cluster reads the same files."""
+
+    def absolute(path: str | None) -> str | None:
+        if path is None or is_builtin(path) or "://" in path:
+            return path
+        return os.path.abspath(os.path.expanduser(path))
+
+    return job.model_copy(
+        update={
+            "input": job.input.model_copy(update={"path": absolute(job.input.path)}),
+            "model": job.model.model_copy(update={"path": absolute(job.model.path)}),
+            "drafter": job.drafter.model_copy(update={"path": absolute(job.drafter.path)}),
+            "output": job.output.model_copy(update={"path": absolute(job.output.path)}),
+        }
+    )

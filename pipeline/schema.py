@@ -1,0 +1,29 @@
+"""Output columns: the generated fields every part file carries, with fixed Arrow types so
+that error-only batches and full batches write the same schema."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+ID = "id"
+PROMPT = "prompt"
+SAMPLE_INDEX = "sample_index"
+ROW_ERROR = "_row_error"  # internal: an error found before generation (null or duplicate id)
+
+GENERATED_FIELDS = (
+    pa.field("completion", pa.string()),
+    pa.field("completion_token_ids", pa.list_(pa.int64())),
+    pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_generated_tokens", pa.int64()),
+    pa.field("nfe", pa.int64()),
+    pa.field("steps", pa.int64()),
+    pa.field("accepted_steps_per_forward", pa.float64()),
+    pa.field("tree_nodes_verified", pa.int64()),
+    pa.field("drafter_seconds", pa.float64()),
+    pa.field("wall_seconds", pa.float64()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("model", pa.string()),
+    pa.field("drafter", pa.string()),
+    pa.field("seed", pa.int64()),
+)
