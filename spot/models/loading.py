@@ -111,7 +111,9 @@ def load_model(
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in names:
                 tensor = f.get_tensor(name)
-                state[name] = tensor if dtype is None else tensor.to(dtype)
+                # a copy owns aligned memory: kernels may round differently on the
+                # unaligned views of a memory-mapped file
+                state[name] = tensor.to(dtype or tensor.dtype, copy=True)
     _check_names(fam, expected, {n: tuple(t.shape) for n, t in state.items()})
     native = fam.to_native(state)
     if config.tie_word_embeddings:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spot.models.registry import Decoding
-from spot.models.transformer import Transformer
+from spot.models.transformer import Transformer, block_causal_mask
 from spot.target import Scores, Window
 
 
@@ -102,6 +102,13 @@ class DiffusionTarget:
             if self.decoding.block_causal:
                 return self._score_cached(contexts, windows, block_length, output_hidden)
             return self._score_sequences(contexts, windows, block_length, output_hidden)
+
+    def attention_mask(self, length: int, block_length: int) -> torch.Tensor | None:
+        """The family's attention over a whole sequence of `length` (bool [1, 1, L, L], None =
+        bidirectional), for full-recomputation references."""
+        if self.decoding.block_causal:
+            return block_causal_mask(length, block_length, self.device)
+        return None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings [..., H] of tokens [...] (candidate-token features for drafters)."""

@@ -162,6 +162,15 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding that skips its random init on the meta device (nothing to initialise
+    there, and meta normal_ imports torch's compiler stack, seconds per process)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 MLPFactory = Callable[[int], nn.Module]  # layer index -> MLP module (x [.., H] -> [.., H])
 
 
@@ -183,7 +192,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: TransformerConfig, mlp_factory: MLPFactory):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, mlp_factory(i)) for i in range(config.num_layers)
         )
