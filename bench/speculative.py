@@ -23,7 +23,6 @@ import torch
 from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
 from spot.budget import AcceptanceCurve, AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
-from spot.commit import sample_tokens
 from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.models.drafter_files import load_drafter, read_header
@@ -64,15 +63,7 @@ class OrderOracle:
                 positions = self.commits.get((inp.key, cur.step))
                 if positions is None or cur.block_start(b) != inp.stale_state.block_start(b):
                     break
-                c = inp.config
-                tokens, _ = sample_tokens(
-                    inp.stale_logits,
-                    inp.gumbel(cur.step),
-                    c.temperature,
-                    c.top_k,
-                    c.top_p,
-                    inp.confidence,
-                )
+                tokens, _ = inp.draw(cur.step)
                 block = cur.block(b).clone()
                 block[positions] = tokens[positions]
                 cur = advance(inp.layout, cur, block)

@@ -40,6 +40,7 @@ def sample_tokens(
     top_k: int | None = None,
     top_p: float | None = None,
     confidence: ConfidenceName = "tempered",
+    mask_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token and confidence per position.
 
@@ -48,20 +49,29 @@ def sample_tokens(
     T=0: argmax of the logits and its softmax probability. T>0: Gumbel-max over the tempered,
     filtered logits (an exact sample of softmax(filtered(logits / T))); confidence is that
     distribution's probability of the token ("tempered", SDAR/Dream) or the plain softmax
-    probability ("untempered", LLaDA).
+    probability ("untempered", LLaDA). The mask token, when given, is never chosen (so every
+    commit makes progress); probabilities stay over the whole vocabulary.
     """
     logits = logits.to(torch.float64)
     if temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
+        tokens = _never_mask(logits, mask_id).argmax(dim=-1)
         probs = torch.softmax(logits, dim=-1)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if gumbel is None:
         raise ValueError("temperature > 0 needs Gumbel noise")
     tempered = filter_logits(logits / temperature, top_k, top_p)
-    tokens = (tempered + gumbel.to(tempered.device)).argmax(dim=-1)
+    tokens = _never_mask(tempered + gumbel.to(tempered.device), mask_id).argmax(dim=-1)
     reference = tempered if confidence == "tempered" else logits
     probs = torch.softmax(reference, dim=-1)
     return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _never_mask(scores: torch.Tensor, mask_id: int | None) -> torch.Tensor:
+    if mask_id is None:
+        return scores
+    scores = scores.clone()
+    scores[..., mask_id] = float("-inf")
+    return scores
 
 
 def select_commits(
@@ -111,7 +121,7 @@ def commit_rule(
     k: [N] static count of each row's step. Returns the next block state [N, B].
     """
     tokens, conf = sample_tokens(
-        logits, gumbel, config.temperature, config.top_k, config.top_p, confidence
+        logits, gumbel, config.temperature, config.top_k, config.top_p, confidence, mask_id
     )
     masked = block == mask_id
     commit = select_commits(conf, masked, k.to(block.device), config.rule, config.threshold)

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from spot import noise
-from spot.commit import commit_rule
+from spot.commit import commit_rule, sample_tokens
 from spot.config import ConfidenceName, DecodingConfig
 from spot.target import Target, Window
 from spot.tree import DraftTree, Layout, State, advance, verify_walk
@@ -66,11 +66,32 @@ class DraftInput:
     config: DecodingConfig
     confidence: ConfidenceName
 
+    _drawn: dict = field(default_factory=dict, compare=False, repr=False)
+
     def gumbel(self, step: int) -> torch.Tensor | None:
-        """Noise g[step] [B, V] of this request, None at T=0."""
+        """Noise g[step] [B, V] of this request, None at T=0; cached."""
         if self.config.temperature == 0.0:
             return None
-        return noise.gumbel(self.config.seed, self.key, step, tuple(self.stale_logits.shape))
+        if ("gumbel", step) not in self._drawn:
+            shape = tuple(self.stale_logits.shape)
+            self._drawn["gumbel", step] = noise.gumbel(self.config.seed, self.key, step, shape)
+        return self._drawn["gumbel", step]
+
+    def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B] and confidences [B] the commit rule would take from the stale logits
+        at `step` (the target's own draw if its distribution has not moved); cached."""
+        if step not in self._drawn:
+            c = self.config
+            self._drawn[step] = sample_tokens(
+                self.stale_logits,
+                self.gumbel(step),
+                c.temperature,
+                c.top_k,
+                c.top_p,
+                self.confidence,
+                self.layout.mask_id,
+            )
+        return self._drawn[step]
 
 
 class Trace(Protocol):

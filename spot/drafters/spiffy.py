@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from spot.commit import sample_tokens
 from spot.decode import DraftInput
 from spot.drafters.trajectory import Trajectories
 from spot.tree import DraftTree, State, advance
@@ -106,23 +105,8 @@ class SpiffyDrafter:
             return DraftTree.single(root)
         if inp.config.rule != "static" or inp.config.tokens_per_step != 1:
             raise ValueError("the Spiffy drafter serves the static rule with 1 token per step")
-        c = inp.config
         stale_probs = torch.softmax(inp.stale_logits.double(), dim=-1)
         ranked_tokens = torch.sort(stale_probs, dim=-1, descending=True, stable=True).indices
-        drawn: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if step not in drawn:
-                drawn[step] = sample_tokens(
-                    inp.stale_logits,
-                    inp.gumbel(step),
-                    c.temperature,
-                    c.top_k,
-                    c.top_p,
-                    inp.confidence,
-                )
-            return drawn[step]
-
         index: dict[Path_, int] = {(): 0}
         nodes: list[State] = [root]
         parent = [-1]
@@ -134,7 +118,7 @@ class SpiffyDrafter:
                 continue
             node = nodes[up]
             block = node.block(b)
-            tokens, conf = draw(node.step)
+            tokens, conf = inp.draw(node.step)
             i, j = path[-1]
             ranks = _position_ranks(conf, block == layout.mask_id)
             if i >= ranks.numel():

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spot.commit import sample_tokens
 from spot.decode import DraftInput
 from spot.drafters.order_model import (
     OrderModel,
@@ -43,23 +42,6 @@ class _Growing:
     score: list[float]
     heap: list[tuple[float, int, int, tuple[int, ...]]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
-    drafted: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    gumbels: dict[int, torch.Tensor | None] = field(default_factory=dict)
-
-    def gumbel(self, step: int) -> torch.Tensor | None:
-        if step not in self.gumbels:
-            self.gumbels[step] = self.inp.gumbel(step)
-        return self.gumbels[step]
-
-    def tokens_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafted tokens [B] and their stale confidences [B] for a commit at `step`."""
-        if step not in self.drafted:
-            c = self.inp.config
-            g = self.gumbel(step)
-            self.drafted[step] = sample_tokens(
-                self.inp.stale_logits, g, c.temperature, c.top_k, c.top_p, self.inp.confidence
-            )
-        return self.drafted[step]
 
 
 class BestFirstDrafter:
@@ -126,7 +108,7 @@ class BestFirstDrafter:
         inp, node = g.inp, g.nodes[n]
         masked = node.block(inp.layout.block_length) == inp.layout.mask_id
         conf = noisy_confidence(
-            g.top_probs, g.top_ids, g.gumbel(node.step), inp.config.temperature, inp.confidence
+            g.top_probs, g.top_ids, g.inp.gumbel(node.step), inp.config.temperature, inp.confidence
         )
         feats = order_features(
             g.top_probs[None],
@@ -143,7 +125,7 @@ class BestFirstDrafter:
         """Pop the best candidate and add its state as a node; returns the node index."""
         neg_score, _, parent, positions = heapq.heappop(g.heap)
         node = g.nodes[parent]
-        tokens, conf = g.tokens_at(node.step)
+        tokens, conf = g.inp.draw(node.step)
         block = node.block(g.inp.layout.block_length).clone()
         chosen = list(positions)
         block[chosen] = tokens[chosen]
@@ -174,7 +156,7 @@ class SpotDrafter(BestFirstDrafter):
             layout = g.inp.layout
             b = layout.block_length
             k = max(1, layout.commit_count(node.block_start(b), node.block_step))
-            _, conf = g.tokens_at(node.step)
+            _, conf = g.inp.draw(node.step)
             masked = (node.block(b) == layout.mask_id).nonzero().flatten().tolist()
             by_conf = sorted(masked, key=lambda p: -float(conf[p]))
             best = torch.topk(row, min(self.branching, len(masked)))

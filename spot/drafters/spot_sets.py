@@ -120,7 +120,7 @@ class SpotSetsDrafter(BestFirstDrafter):
             feats.append(f)
             masks.append(m)
             hidden.append(g.inp.stale_hidden[None].float())
-            tokens, _ = g.tokens_at(g.nodes[n].step)
+            tokens, _ = g.inp.draw(g.nodes[n].step)
             token_emb.append(self.embed(tokens)[None].float())
         logits = self.model(
             torch.cat(feats), torch.cat(hidden), torch.cat(token_emb), torch.cat(masks)
