@@ -19,7 +19,12 @@ from spot.config import ConfidenceName
 from spot.models.transformer import Transformer, TransformerConfig
 
 # family modules registered on first lookup; a new family adds its module here
-FAMILY_MODULES = ("spot.models.sdar", "spot.models.llada")
+FAMILY_MODULES = (
+    "spot.models.sdar",
+    "spot.models.llada",
+    "spot.models.dream",
+    "spot.models.llada2",
+)
 
 
 @dataclass(frozen=True)
