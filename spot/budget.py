@@ -84,7 +84,9 @@ def measure_forward_cost(
     prompt[prompt == target.mask_id] = 0
     context = target.open(prompt, prefix_length + block_length)
     block = torch.full((block_length,), target.mask_id, dtype=torch.long)
-    target.score([context], [Window(0, torch.cat([prompt, block]), prefix_length)], block_length)
+    pending = prompt[target.committed_length(context) :]  # not yet final in the context
+    first = Window(0, torch.cat([pending, block]), pending.numel())
+    target.score([context], [first], block_length)
     window = block
     seconds = []
     for n in states:
