@@ -15,7 +15,7 @@ from spot.models.loading import load_target
 from spot.models.target import DiffusionTarget
 from spot.target import Window
 from tests.random_drafter import RandomDrafter
-from tests.tiny_checkpoints import MASK_ID, VOCAB, write_checkpoint
+from tests.tiny_checkpoints import EOS_IDS, MASK_ID, VOCAB, write_checkpoint
 
 B = 4  # block length of the hand-made windows
 
@@ -210,9 +210,12 @@ def _requests(count: int = 3):
 
 
 @pytest.mark.parametrize("family", ["sdar", "llada"])
-def test_generate_end_to_end(checkpoints, family):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generate_end_to_end(checkpoints, family, temperature):
     target = _target(checkpoints, family)
-    config = DecodingConfig(gen_length=16, block_length=8, tokens_per_step=2)
+    config = DecodingConfig(
+        gen_length=16, block_length=8, tokens_per_step=2, temperature=temperature
+    )
     requests = _requests(4)
     results = generate(target, requests, config)
     for request, result in zip(requests, results):
@@ -222,6 +225,11 @@ def test_generate_end_to_end(checkpoints, family):
         assert not bool((result.tokens == MASK_ID).any())
         assert result.finish_reason in ("eos", "length")
         assert 0 < result.stats.nfe <= result.stats.steps
+        if result.finish_reason == "eos":  # the blocks after the one holding EOS: EOS fill
+            origin = 0 if family == "sdar" else prompt  # where the block grid starts
+            eos = prompt + int((result.tokens == EOS_IDS[0]).nonzero()[0])
+            block_end = origin + ((eos - origin) // 8 + 1) * 8
+            assert bool((result.tokens[block_end - prompt :] == EOS_IDS[0]).all())
     # same outputs whatever the batch: alone, and in reverse order
     for i, request in enumerate(requests):
         assert torch.equal(generate(target, [request], config)[0].tokens, results[i].tokens)

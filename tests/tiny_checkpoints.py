@@ -1,8 +1,9 @@
 """Tiny random checkpoints of the native families, written in their original on-disk format.
 
 Weights are drawn from a seeded generator and scaled so that predictions are peaked enough to
-give confident and unconfident positions and an EOS now and then. The mask token's output row
-is the mean of the others, so its logit is never the largest and decoding always progresses.
+give confident and unconfident positions. The EOS output row is a scaled sum of three others,
+so EOS wins now and then; the mask token's output row is the mean of the others, so its logit
+is never the largest and decoding always progresses.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def random_model(
         head = model.lm_head.weight
         others = torch.ones(config.vocab_size, dtype=torch.bool)
         others[MASK_ID] = False
-        head[EOS_IDS[0]] *= 1.3
+        head[EOS_IDS[0]] = 1.15 * head[:3].sum(0)
         head[MASK_ID] = head[others].mean(0)
     return model.to(dtype).eval()
 
