@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -261,24 +262,38 @@ def loss_of(model: Transformer, batch: Batch) -> tuple[torch.Tensor, int]:
 
 
 class _Rows:
-    """Tokenized training rows (prompt ids, answer ids + <|im_end|>) from the corpus."""
+    """Tokenized training rows (prompt ids, answer ids + <|im_end|>) from the corpus, batched
+    by length: `pool` batches' worth of rows are sorted by length and cut into batches, which
+    are served in a seeded random order (less padding per batch)."""
 
-    def __init__(self, tokenizer: Tokenizer, corpus_seed: int, max_answer: int):
+    def __init__(
+        self, tokenizer: Tokenizer, corpus_seed: int, max_answer: int, seed: int, pool: int = 8
+    ):
         self.tokenizer = tokenizer
         self.stream = examples(corpus_seed, "train")
         self.max_answer = max_answer
+        self.order = random.Random(seed)
+        self.pool = pool
+        self.ready: list[list[tuple[list[int], list[int]]]] = []
         self.seen = 0
 
-    def take(self, count: int) -> list[tuple[list[int], list[int]]]:
-        rows = []
-        while len(rows) < count:
+    def _row(self) -> tuple[list[int], list[int]]:
+        while True:
             item = next(self.stream)
             self.seen += 1
             prompt = self.tokenizer.encode(chat_prompt(item.prompt)).ids
             answer = self.tokenizer.encode(item.completion + IM_END).ids
             if len(answer) <= self.max_answer:
-                rows.append((prompt, answer))
-        return rows
+                return prompt, answer
+
+    def take(self, count: int) -> list[tuple[list[int], list[int]]]:
+        if not self.ready:
+            rows = sorted(
+                (self._row() for _ in range(count * self.pool)), key=lambda r: len(r[0]) + len(r[1])
+            )
+            self.ready = [rows[k : k + count] for k in range(0, len(rows), count)]
+            self.order.shuffle(self.ready)
+        return self.ready.pop()
 
 
 def native_config(spec: TrainSpec, vocab_size: int) -> TransformerConfig:
@@ -360,7 +375,7 @@ def train(
     model = init_model(config, spec.family, generator)
     optimizer = _optimizer(model, spec)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(spec, s))
-    rows = _Rows(tokenizer, spec.corpus_seed, spec.gen_length)
+    rows = _Rows(tokenizer, spec.corpus_seed, spec.gen_length, spec.seed)
     output.mkdir(parents=True, exist_ok=True)
     log_path = log_path or output / "loss_log.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
