@@ -70,7 +70,6 @@ class DiffusionTarget:
         self.max_length = min(decoding.max_length, config.max_position_embeddings)
         parameter = next(model.parameters())
         self.device = parameter.device
-        self.dtype = parameter.dtype
 
     # -- Target protocol ---------------------------------------------------------------------
     def open(self, prompt: torch.Tensor, total_length: int) -> CachedContext | SequenceContext:
@@ -134,11 +133,12 @@ class DiffusionTarget:
             tokens[i, : r.numel()] = r
         positions = torch.arange(width).expand(len(rows), width)
         key_valid = torch.arange(width)[None, :] < lengths[:, None]  # [N, width]
-        mask = key_valid[:, None, None, :]  # [N, 1, 1, width], every query the same keys
+        # [N, 1, 1, width]: every query the same keys; None (no padding) allows flash kernels
+        mask = None if bool(key_valid.all()) else key_valid[:, None, None, :].to(self.device)
         logits, hidden, _ = self.model(
             tokens.to(self.device),
             positions.to(self.device),
-            mask.to(self.device),
+            mask,
             output_hidden=output_hidden,
             logits_at=torch.stack(outputs).to(self.device),
         )

@@ -127,10 +127,10 @@ class Attention(nn.Module):
         rope: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         past: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [N, L, H], mask bool [N, 1, L, Lpast + L] -> out [N, L, H], new (k, v)."""
+        """x [N, L, H], mask bool [N, 1, L, Lpast + L] or None -> out [N, L, H], new (k, v)."""
         n, length, _ = x.shape
         q = self.q_proj(x).view(n, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, length, self.num_kv_heads, self.head_dim)
@@ -220,15 +220,16 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         past_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         output_hidden: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """Run the stack.
 
-        input_ids, position_ids: [N, L] long; attention_mask: bool [N, 1, L, Lpast + L]
-        (True = attend; each query row must attend at least one key); past_kv: per layer
+        input_ids, position_ids: [N, L] long; attention_mask: bool broadcastable to
+        [N, 1, L, Lpast + L] (True = attend; each query row must attend at least one key;
+        None = every query attends every key); past_kv: per layer
         (k, v) [N, Hkv, Lpast, D] or None; logits_at: [N, S] indices into L to compute
         logits (and hidden) for, None = every position.
         Returns logits [N, S, V], final-norm hidden [N, S, H] when asked, and the new
@@ -253,11 +254,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits [1, L, V] of one sequence [1, L] from scratch; mask bool [1, 1, L, L] or
         None for full bidirectional attention. The reference for cache and packing tests."""
-        length = input_ids.shape[1]
-        device = input_ids.device
-        position_ids = torch.arange(length, device=device)[None]
-        if attention_mask is None:
-            attention_mask = torch.ones(1, 1, length, length, dtype=torch.bool, device=device)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return self(input_ids, position_ids, attention_mask)[0]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
