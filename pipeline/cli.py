@@ -14,6 +14,8 @@ import click
 
 COMMANDS = {
     "report": "pipeline.report:report_command",
+    "train-target": "pipeline.train_target:train_target_command",
+    "evaluate-target": "pipeline.target_quality:evaluate_target_command",
 }
 
 
