@@ -247,3 +247,43 @@ def llada2_generate(
     answer = x[0, p : p + gen_length]
     eos = (answer == eos_id).nonzero().flatten()
     return answer[: int(eos[0]) + 1] if eos.numel() else answer
+
+
+def dream_block_generate(
+    model: FullLogits,
+    prompt: torch.Tensor,
+    *,
+    mask_id: int,
+    gen_length: int,
+    block_length: int,
+    threshold: float,
+    opening_commit: bool = True,
+) -> torch.Tensor:
+    """Fast-dLLM's block sampler for Dream (`generation_utils_block.py`, alg
+    `confidence_threshold`) at T=0, a full forward of the whole canvas in place of its prefix
+    cache. Blocks from the end of the prompt; the logits of position i are the model's output
+    at i - 1. Each block opens with a forward whose prediction for the block's first position
+    is committed outright (`opening_commit`); then, until the block is complete, the most
+    confident masked position of the block and every other one with confidence >= threshold.
+    No stop: returns x [P + gen_length]."""
+    p = prompt.numel()
+    x = torch.full((p + gen_length,), mask_id, dtype=torch.long)
+    x[:p] = prompt
+
+    def shifted_logits() -> torch.Tensor:
+        logits = model.full_logits(x[None], None)[0]  # [L, V]
+        return torch.cat([logits[:1], logits[:-1]])
+
+    for lo in range(p, p + gen_length, block_length):
+        hi = lo + block_length
+        if opening_commit:
+            x[lo] = shifted_logits()[lo].argmax()
+        while (x[lo:hi] == mask_id).any():
+            masked = x[lo:hi] == mask_id  # [B]
+            x0, x0_p = greedy(shifted_logits()[lo:hi])
+            confidence = torch.where(masked, x0_p, NEG_INF)
+            values, select = torch.topk(confidence, int(masked.sum()))
+            keep = torch.ones_like(select, dtype=torch.bool)
+            keep[1:] = values[1:] >= threshold
+            x[lo + select[keep]] = x0[select[keep]]
+    return x
