@@ -8,13 +8,13 @@ with `error` set and no completion, never a failed batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
 import torch
 
-from pipeline.job import Job, resolve_path
+from pipeline.job import Job, resolve_model_path
 from pipeline.schema import GENERATED_FIELDS, ID, PROMPT, ROW_ERROR, SAMPLE_INDEX
 from spot import noise
 from spot.decode import Drafter, Request, Result, generate
@@ -30,29 +30,39 @@ def load_model(job: Job) -> tuple[Any, Target]:
 
     from spot.models.loading import load_target
 
-    path = resolve_path(job.model.path)
+    path = resolve_model_path(job.model.path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    target = load_target(path, dtype=_DTYPES[job.model.dtype], family=job.model.family)
+    target = load_target(path, family=job.model.family, dtype=_DTYPES[job.model.dtype])
     return tokenizer, target
 
 
 def build_drafter(job: Job, target: Target) -> Drafter | None:
-    """The job's drafter; job validation admits only the kinds implemented here."""
-    if job.drafter.kind == "none":
+    """The job's drafter (None: draft-free). With budget auto, the forward cost of this
+    target on this machine is measured once here and the budget chosen per batch size."""
+    path = job.drafter_path()
+    if path is None:
         return None
-    raise ValueError(f"drafter kind {job.drafter.kind!r} is not available")
+    from spot.budget import AcceptanceCurve, AutoBudget, measure_forward_cost
+    from spot.models.drafter_files import load_drafter, read_header
 
-
-ModelLoader = Callable[[Job], tuple[Any, Target]]
+    if job.drafter.budget != "auto":
+        return load_drafter(job.drafter.kind, path, job.drafter.budget, target)
+    curve = AcceptanceCurve.from_dict(read_header(path)["acceptance_curve"])
+    largest = max(curve.budgets)
+    batch = job.resources.batch_size
+    block = job.decoding.block_length
+    states = sorted({1, 2, 4, 8, 16, 32, batch, batch * (largest + 1)})
+    cost = measure_forward_cost(target, block, 4 * block, states)
+    return AutoBudget(load_drafter(job.drafter.kind, path, largest, target), curve, cost)
 
 
 class Engine:
     """Rows in, rows out, for one replica. Knows the tokenizer; `spot` sees token ids only."""
 
-    def __init__(self, job: Job, model_loader: ModelLoader = load_model):
+    def __init__(self, job: Job):
         self.job = job
         self.config = job.decoding_config()
-        self.tokenizer, self.target = model_loader(job)
+        self.tokenizer, self.target = load_model(job)
         self.drafter = build_drafter(job, self.target)
         self.drafter_label = job.drafter_label()
         self.eos_ids = torch.tensor(self.target.eos_ids)

@@ -27,6 +27,7 @@ class InputPlan:
     schema: pa.Schema  # the input's own columns
     renamed: dict[str, str]  # input column -> output column (id, prompt, input_<clash>)
     num_rows: int
+    keys: pa.Array  # every row's id as a string key (see id_keys), in input order
     duplicate_ids: pa.Table  # columns key (string), count (int64): ids seen more than once
     limited: pa.Table | None  # the first `input.limit` rows, when a limit is set
 
@@ -102,7 +103,9 @@ def plan_input(config: InputConfig) -> InputPlan:
         ids = limited.column(config.id_column)
     else:
         ids = dataset.to_table(columns=[config.id_column]).column(config.id_column)
-    counts = pc.value_counts(id_keys(ids))
+    keys = id_keys(ids)
+    keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+    counts = pc.value_counts(keys)
     repeated = pc.greater(counts.field("counts"), 1)
     duplicates = pa.table(
         {
@@ -110,7 +113,17 @@ def plan_input(config: InputConfig) -> InputPlan:
             "count": pc.filter(counts.field("counts"), repeated),
         }
     )
-    return InputPlan(filesystem, files, file_format, schema, renamed, len(ids), duplicates, limited)
+    return InputPlan(
+        filesystem=filesystem,
+        files=files,
+        format=file_format,
+        schema=schema,
+        renamed=renamed,
+        num_rows=len(ids),
+        keys=keys,
+        duplicate_ids=duplicates,
+        limited=limited,
+    )
 
 
 def output_names(columns: list[str], id_column: str, prompt_column: str) -> dict[str, str]:

@@ -14,12 +14,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from spot.config import DecodingConfig
 
 BUILTIN_PREFIX = "builtin:"
-IMPLEMENTED_DRAFTERS = ("none",)
+# which commit rules each drafter kind drafts for
+DRAFTER_RULES = {
+    "spiffy": ("static",),
+    "spot": ("static",),
+    "spot-sets": ("threshold", "sdar_dynamic"),
+}
 
 
 class JobError(ValueError):
@@ -94,18 +106,11 @@ class DrafterConfig(_Section):
     budget: int | Literal["auto"] = Field(
         16,
         description="Tree nodes verified per request per forward: larger trees accept more steps "
-        "per forward but make each forward wider; auto sizes it from the batch.",
+        "per forward but make each forward wider. auto measures this machine's forward cost "
+        "as the verified width grows (at replica start) and picks, per batch size, the budget "
+        "with the most expected steps per second from the drafter's stored acceptance curve; "
+        "0 (draft-free) is a legal outcome. A number forces that budget.",
     )
-
-    @field_validator("kind")
-    @classmethod
-    def _kind_available(cls, value: str) -> str:
-        if value not in IMPLEMENTED_DRAFTERS:
-            raise ValueError(
-                f"drafter {value!r} is not available in this version; "
-                f"available: {', '.join(IMPLEMENTED_DRAFTERS)}"
-            )
-        return value
 
     @field_validator("budget")
     @classmethod
@@ -223,8 +228,43 @@ class Job(_Section):
     output: OutputConfig
     cost: CostConfig = CostConfig()
 
+    @model_validator(mode="after")
+    def _drafter_fits_rule(self) -> Job:
+        kind, rule = self.drafter.kind, self.decoding.rule
+        if kind != "none" and rule not in DRAFTER_RULES[kind]:
+            fits = [k for k, rules in DRAFTER_RULES.items() if rule in rules]
+            raise ValueError(
+                f"drafter.kind: {kind} drafts for the {'/'.join(DRAFTER_RULES[kind])} rule, "
+                f"not decoding.rule {rule!r}; use drafter.kind {' or '.join(fits)} (or none)"
+            )
+        if kind == "spiffy" and self.drafter.budget == "auto":
+            raise ValueError(
+                "drafter.budget: auto needs an acceptance curve, which spot and spot-sets "
+                "checkpoints store; give spiffy a number (its draft-graph size)"
+            )
+        if kind == "spiffy" and self.decoding.tokens_per_step != 1:
+            raise ValueError("drafter.kind: spiffy drafts one token per step (tokens_per_step: 1)")
+        return self
+
     def decoding_config(self) -> DecodingConfig:
         return self.decoding.to_config()
+
+    def drafter_path(self) -> str | None:
+        """The drafter file: drafter.path, or the bundled drafter of this kind for a bundled
+        target, its block length and commit rule. None when decoding draft-free."""
+        if self.drafter.kind == "none":
+            return None
+        if self.drafter.path is not None:
+            return resolve_path(self.drafter.path)
+        if not is_builtin(self.model.path):
+            raise ValueError("required unless the target is bundled (builtin:<name>)")
+        from spot.builtin import builtin_drafter
+
+        return str(
+            builtin_drafter(
+                self.model.path, self.drafter.kind, self.decoding.block_length, self.decoding.rule
+            )
+        )
 
     def drafter_label(self) -> str:
         """How the output's `drafter` column names the drafter."""
@@ -251,6 +291,29 @@ def resolve_path(path: str) -> str:
     if "://" in path:
         return path
     return os.path.abspath(os.path.expanduser(path))
+
+
+def resolve_model_path(path: str) -> str:
+    """A checkpoint directory: builtin, local, or a hub id already in the local Hugging Face
+    cache (jobs never download: every replica would)."""
+    local = resolve_path(path)
+    if is_builtin(path) or os.path.isdir(local) or not _looks_like_hub_id(path):
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id=path, local_files_only=True)
+    except LocalEntryNotFoundError as error:
+        raise FileNotFoundError(
+            f"not a local directory, and hub id {path!r} is not in the local cache "
+            f"(download it first: huggingface-cli download {path})"
+        ) from error
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
@@ -313,42 +376,59 @@ def parse_job(data: Any) -> Job:
 
 
 def check_paths(job: Job) -> None:
-    """Check that builtins resolve and local inputs/models exist, before any Ray starts."""
+    """Check that builtins resolve and local inputs, models and drafters exist, before any
+    Ray starts."""
     problems = []
-    for key, path in (
-        ("input.path", job.input.path),
-        ("model.path", job.model.path),
-        ("drafter.path", job.drafter.path),
-    ):
-        if path is None:
-            continue
-        try:
-            resolved = resolve_path(path)
-        except (ImportError, KeyError, ValueError, FileNotFoundError) as error:
-            problems.append(f"{key}: cannot resolve {path!r}: {_reason(error)}")
-            continue
-        if "://" in resolved:
-            continue
-        if key == "input.path" and not _glob_or_exists(resolved):
-            problems.append(f"{key}: no such file, folder or glob: {path!r}")
-        elif key == "model.path" and not Path(resolved, "config.json").is_file():
-            problems.append(f"{key}: {path!r} is not a checkpoint directory (no config.json)")
-        elif key == "drafter.path" and not Path(resolved).exists():
-            problems.append(f"{key}: no such file: {path!r}")
-    if not problems and job.input.chat_template:
-        model_dir = resolve_path(job.model.path)
-        if "://" not in model_dir and not _has_chat_template(Path(model_dir)):
+    try:
+        input_path = resolve_path(job.input.path)
+        if "://" not in input_path and not _glob_or_exists(input_path):
+            problems.append(f"input.path: no such file, folder or glob: {job.input.path!r}")
+    except (ImportError, OSError, ValueError) as error:
+        problems.append(f"input.path: cannot resolve {job.input.path!r}: {_reason(error)}")
+    model_dir = None
+    try:
+        model_dir = resolve_model_path(job.model.path)
+        if "://" not in model_dir and not Path(model_dir, "config.json").is_file():
             problems.append(
-                "input.chat_template: the model's tokenizer has no chat template; "
-                "set input.chat_template: false"
+                f"model.path: {job.model.path!r} is not a checkpoint directory (no config.json)"
             )
+            model_dir = None
+    except (ImportError, OSError, ValueError) as error:
+        problems.append(f"model.path: cannot resolve {job.model.path!r}: {_reason(error)}")
+    try:
+        drafter_file = job.drafter_path()
+        if drafter_file is not None and "://" not in drafter_file:
+            _check_drafter_file(job.drafter.kind, drafter_file)
+    except (ImportError, OSError, ValueError) as error:
+        problems.append(f"drafter.path: {_reason(error)}")
+    if (
+        model_dir is not None
+        and "://" not in model_dir
+        and job.input.chat_template
+        and not _has_chat_template(Path(model_dir))
+    ):
+        problems.append(
+            "input.chat_template: the model's tokenizer has no chat template; "
+            "set input.chat_template: false"
+        )
     if problems:
         raise JobError(problems)
 
 
+def _check_drafter_file(kind: str, path: str) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if kind in ("spot", "spot-sets"):
+        from spot.models.drafter_files import read_header
+
+        stored = read_header(path)["kind"]
+        if stored != kind:
+            raise ValueError(f"{path} holds a {stored!r} drafter, not {kind!r}")
+
+
 def _reason(error: Exception) -> str:
     if isinstance(error, ImportError):
-        return "no bundled files are installed"
+        return f"cannot import {error.name}"
     return str(error.args[0]) if error.args else type(error).__name__
 
 

@@ -95,7 +95,6 @@ class OutputDir:
             return json.loads(stream.read().decode())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        self.filesystem.create_dir(self.root, recursive=True)
         write_atomically(
             self.filesystem,
             self.summary,
@@ -113,6 +112,7 @@ def write_atomically(filesystem: pafs.FileSystem, path: str, write) -> None:
     """Write through a hidden temporary beside `path`, then rename it into place."""
     directory, name = posixpath.split(path)
     temporary = posixpath.join(directory, f".{name}{PARTIAL_SUFFIX}")
+    filesystem.create_dir(directory, recursive=True)
     with filesystem.open_output_stream(temporary) as stream:
         write(stream)
     filesystem.move(temporary, path)
@@ -135,7 +135,6 @@ def write_part(output: OutputDir, tables: Iterable[pa.Table]) -> int:
     if not tables:
         return 0
     table = pa.concat_tables(tables, promote_options="default")
-    output.filesystem.create_dir(output.data, recursive=True)
     path = posixpath.join(output.data, part_name(table))
     write_atomically(output.filesystem, path, lambda f: pq.write_table(table, f))
     return table.num_rows

@@ -25,16 +25,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
+import torch
 from ray.data import ActorPoolStrategy, DataContext
-from ray.data.block import BlockAccessor
-from ray.data.datasource import Datasink
-from ray.data.datasource.datasink import WriteResult
 
-from pipeline.engine import Engine, ModelLoader, load_model
-from pipeline.inputs import InputPlan, id_keys, plan_input
+from pipeline.engine import Engine
+from pipeline.inputs import InputPlan, plan_input
 from pipeline.job import Job, is_builtin
-from pipeline.output import OutputDir, row_keys, write_part
-from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
+from pipeline.output import OutputDir, row_keys
+from pipeline.schema import ID, SAMPLE_INDEX
+from pipeline.stages import AtomicParquetDatasink, expand_rows
 from pipeline.summary import build_summary
 
 Echo = Callable[[str], None]
@@ -48,62 +47,23 @@ MAX_BATCHES_PER_BLOCK = 32
 class GenerationActor:
     """One replica: builds the engine once, then maps batches of rows to output rows."""
 
-    def __init__(self, job: Job, model_loader: ModelLoader):
-        import torch
-
+    def __init__(self, job: Job):
         torch.set_num_threads(max(1, round(job.resources.num_cpus)))
-        self.engine = Engine(job, model_loader)
+        self.engine = Engine(job)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return self.engine.process(batch)
 
 
-class AtomicParquetDatasink(Datasink[int]):
-    """Each write task writes its blocks as one part file, atomically (see pipeline.output)."""
-
-    def __init__(self, output: OutputDir):
-        self.output = output
-        self.rows_written = 0
-
-    def write(self, blocks, ctx) -> int:
-        return write_part(self.output, (BlockAccessor.for_block(b).to_arrow() for b in blocks))
-
-    def on_write_complete(self, write_result: WriteResult[int]) -> None:
-        self.rows_written = sum(write_result.write_returns)
-
-
-def expand_rows(
-    batch: pa.Table,
-    *,
-    renamed: dict[str, str],
-    samples: int,
-    shared: dict[str, Any],
-) -> pa.Table:
-    """Input rows -> one row per (row, sample), rows already written dropped; marks rows
-    whose id is null or duplicated with their error before any model sees them."""
-    done, duplicates = ray.get([shared["done"], shared["duplicates"]])
-    batch = batch.rename_columns([renamed[n] for n in batch.column_names])
-    keys = id_keys(batch.column(ID))
-    position = pc.index_in(keys, value_set=duplicates.column("key"))
-    counts = pc.take(duplicates.column("count"), position).to_pylist()
-    nulls = pc.is_null(batch.column(ID)).to_pylist()
-    errors = [
-        "id is null"
-        if is_null
-        else f"duplicate id: appears {count} times in the input"
-        if count is not None
-        else None
-        for is_null, count in zip(nulls, counts)
-    ]
-    batch = batch.append_column(ROW_ERROR, pa.array(errors, pa.string()))
-    rows = np.repeat(np.arange(batch.num_rows), samples)
-    expanded = batch.take(rows).append_column(
-        SAMPLE_INDEX, pa.array(np.tile(np.arange(samples, dtype=np.int64), batch.num_rows))
-    )
+def count_pending(plan: InputPlan, samples: int, done: pa.Array) -> int:
+    """(row, sample) pairs of the input not yet in the output."""
     if len(done) == 0:
-        return expanded
-    written = pc.is_in(row_keys(expanded.column(ID), expanded.column(SAMPLE_INDEX)), value_set=done)
-    return expanded.filter(pc.invert(written))
+        return plan.num_rows * samples
+    pending = 0
+    for sample in range(samples):
+        keys = row_keys(plan.keys, pa.array(np.full(plan.num_rows, sample, dtype=np.int64)))
+        pending += len(keys) - pc.sum(pc.is_in(keys, value_set=done).cast(pa.int64())).as_py()
+    return pending
 
 
 def rows_per_block(pending_rows: int, job: Job) -> int:
@@ -198,7 +158,6 @@ class _ProgressPrinter:
 def run_job(
     job: Job,
     *,
-    model_loader: ModelLoader = load_model,
     actor_class: type = GenerationActor,
     ray_address: str | None = None,
     echo: Echo = print,
@@ -209,32 +168,29 @@ def run_job(
     output = OutputDir(job.output.path)
     output.remove_partial_files()
     done = output.done_keys()
-    pending = plan.num_rows * job.decoding.samples_per_prompt - len(done)
+    pending = count_pending(plan, job.decoding.samples_per_prompt, done)
     echo(
         f"[{job.name}] {plan.num_rows} input rows x {job.decoding.samples_per_prompt} samples; "
-        f"{len(done)} already written, {max(pending, 0)} to generate -> {output.uri}"
+        f"{len(done)} already written, {pending} to generate -> {output.uri}"
     )
     started = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.perf_counter()
-    with ray_session(job, ray_address):
-        samples = _execute(
-            job,
-            plan,
-            output,
-            done,
-            max(pending, 0),
-            model_loader,
-            actor_class,
-            echo,
-            progress_interval,
-        )
-    wall = time.perf_counter() - start
-
-    table = output.read()
-    previous = output.read_summary() or {}
-    this_run = _run_record(job, table, done, started, wall, samples)
-    summary = build_summary(job, table, [*previous.get("runs", []), this_run])
-    output.write_summary(summary)
+    progress = _ProgressPrinter(output, pending, echo, progress_interval)
+    failure = None
+    try:
+        if pending:
+            with ray_session(job, ray_address), progress:
+                _execute(job, plan, output, done, pending, actor_class)
+    except BaseException as error:
+        failure = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        raise
+    finally:
+        wall = time.perf_counter() - start
+        table = output.read()
+        previous = output.read_summary() or {}
+        this_run = _run_record(job, table, done, started, wall, progress.samples, failure)
+        summary = build_summary(job, table, [*previous.get("runs", []), this_run])
+        output.write_summary(summary)
     totals = summary["totals"]
     echo(
         f"[{job.name}] done: {totals['rows']} rows ({totals['errors']} errors), "
@@ -250,12 +206,9 @@ def _execute(
     output: OutputDir,
     done: pa.Array,
     pending: int,
-    model_loader: ModelLoader,
     actor_class: type,
-    echo: Echo,
-    progress_interval: float,
-) -> list[list[float]]:
-    """The Ray Data pipeline; returns the progress samples."""
+) -> None:
+    """The Ray Data pipeline, streaming from the input to part files."""
     context = DataContext.get_current()
     context.print_on_execution_start = False
     if plan.limited is not None:
@@ -280,14 +233,11 @@ def _execute(
         batch_format="pyarrow",
         batch_size=job.resources.batch_size,
         compute=ActorPoolStrategy(size=job.resources.replicas),
-        fn_constructor_kwargs={"job": job, "model_loader": model_loader},
+        fn_constructor_kwargs={"job": job},
         num_cpus=job.resources.num_cpus,
         num_gpus=job.resources.num_gpus,
     )  # Ray Data's defaults restart a replica that dies and retry its batch elsewhere
-    sink = AtomicParquetDatasink(output)
-    with _ProgressPrinter(output, pending, echo, progress_interval) as printer:
-        dataset.write_datasink(sink)
-    return printer.samples
+    dataset.write_datasink(AtomicParquetDatasink(output))
 
 
 def _run_record(
@@ -297,6 +247,7 @@ def _run_record(
     started: str,
     wall: float,
     samples: list[list[float]],
+    failure: str | None,
 ) -> dict[str, Any]:
     """This run's share of the output: rows and tokens not written before it."""
     rows = tokens = 0
@@ -307,6 +258,8 @@ def _run_record(
         rows = int(pc.sum(new.cast(pa.int64())).as_py() or 0)
         tokens = int(pc.sum(pc.filter(table.column("num_generated_tokens"), new)).as_py() or 0)
     return {
+        "status": "failed" if failure else "succeeded",
+        "error": failure,
         "started_at": started,
         "wall_seconds": wall,
         "replicas": job.resources.replicas,

@@ -1,52 +1,70 @@
-"""Shared pieces of the pipeline tests: small prompt files, a digit tokenizer checkpoint for
-the toy target, and job dictionaries."""
+"""Shared pieces of the pipeline tests: a tiny random SDAR checkpoint in the original format
+with the bundled tokenizer, small prompt files, job dictionaries, one local Ray per module."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
+import torch
 
-from tests.toy import ToyTarget
+from spot.builtin import resolve_builtin
+from spot.models.loading import save_checkpoint
+from spot.models.registry import family_for
+from spot.models.transformer import TransformerConfig
 
-TOY_VOCAB = {str(d): d for d in range(10)} | {"<eos>": 10, "<mask>": 11}
+MAX_POSITIONS = 256
 
 
-def make_toy_checkpoint(directory: Path) -> Path:
-    """A checkpoint directory whose tokenizer maps digits to the toy target's ids 0-9."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def make_tiny_sdar(directory: Path, seed: int = 0) -> Path:
+    """A random 2-layer SDAR-family checkpoint (original key names, float64) beside a copy of
+    the bundled tokenizer. Weights are scaled so that predictions are peaked; the mask
+    token's output row is the mean of the others, so it is never the argmax."""
+    from transformers import AutoTokenizer
 
-    tokenizer = Tokenizer(models.WordLevel(TOY_VOCAB, unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<eos>", mask_token="<mask>"
+    tokenizer_dir = resolve_builtin("tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    family = family_for("sdar")
+    config = TransformerConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=MAX_POSITIONS,
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(directory)
-    (directory / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    model = family.build(config).to(torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+            elif p.dim() == 2:
+                fan_in = 1 if "embed" in name else p.shape[1]
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 2 / fan_in**0.5)
+        head = model.lm_head.weight
+        others = torch.ones(config.vocab_size, dtype=torch.bool)
+        others[tokenizer.mask_token_id] = False
+        head[tokenizer.mask_token_id] = head[others].mean(0)
+    eos_ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    save_checkpoint(directory, family, model.eval(), tokenizer.mask_token_id, eos_ids)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
     return directory
 
 
-def toy_loader(job) -> tuple[Any, ToyTarget]:
-    """Model loader for jobs on the toy checkpoint: its tokenizer and the float64 toy."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(job.model.path, local_files_only=True)
-    return tokenizer, ToyTarget(seed=3, absolute_block_grid=True)
-
-
-def digit_prompts(n: int, seed: int = 0) -> list[str]:
-    return [str(10**3 + (seed * 7919 + i * 104729) % 9000)[: 2 + i % 5] for i in range(n)]
+def word_prompts(n: int) -> list[str]:
+    """n different short maths prompts."""
+    return [f"Ella has {3 + i} apples and buys {2 * i + 1} more. How many now?" for i in range(n)]
 
 
 def write_prompts(path: Path, rows: dict[str, list]) -> Path:
@@ -58,7 +76,7 @@ def write_prompts(path: Path, rows: dict[str, list]) -> Path:
 def job_dict(input_path: Path, model_path: Path, output_path: Path, **sections) -> dict:
     job = {
         "name": "test",
-        "input": {"path": str(input_path), "chat_template": False},
+        "input": {"path": str(input_path), "chat_template": True},
         "model": {"path": str(model_path), "dtype": "float64"},
         "decoding": {"gen_length": 16, "block_length": 4, "temperature": 0.0, "seed": 1},
         "resources": {"replicas": 1, "batch_size": 4, "num_cpus": 0.5},

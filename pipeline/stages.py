@@ -1,0 +1,67 @@
+"""The light Ray Data stages around the model: expanding input rows into samples (skipping
+what is already written) and writing part files. They import no torch, so the read and
+write workers start fast."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+from ray.data.block import BlockAccessor
+from ray.data.datasource import Datasink
+from ray.data.datasource.datasink import WriteResult
+
+from pipeline.inputs import id_keys
+from pipeline.output import OutputDir, row_keys, write_part
+from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
+
+
+class AtomicParquetDatasink(Datasink[int]):
+    """Each write task writes its blocks as one part file, atomically (see pipeline.output)."""
+
+    def __init__(self, output: OutputDir):
+        self.output = output
+        self.rows_written = 0
+
+    def write(self, blocks, ctx) -> int:
+        return write_part(self.output, (BlockAccessor.for_block(b).to_arrow() for b in blocks))
+
+    def on_write_complete(self, write_result: WriteResult[int]) -> None:
+        self.rows_written = sum(write_result.write_returns)
+
+
+def expand_rows(
+    batch: pa.Table,
+    *,
+    renamed: dict[str, str],
+    samples: int,
+    shared: dict[str, Any],
+) -> pa.Table:
+    """Input rows -> one row per (row, sample), rows already written dropped; marks rows
+    whose id is null or duplicated with their error before any model sees them."""
+    done, duplicates = ray.get([shared["done"], shared["duplicates"]])
+    batch = batch.rename_columns([renamed[n] for n in batch.column_names])
+    keys = id_keys(batch.column(ID))
+    position = pc.index_in(keys, value_set=duplicates.column("key"))
+    counts = pc.take(duplicates.column("count"), position).to_pylist()
+    nulls = pc.is_null(batch.column(ID)).to_pylist()
+    errors = [
+        "id is null"
+        if is_null
+        else f"duplicate id: appears {count} times in the input"
+        if count is not None
+        else None
+        for is_null, count in zip(nulls, counts)
+    ]
+    batch = batch.append_column(ROW_ERROR, pa.array(errors, pa.string()))
+    rows = np.repeat(np.arange(batch.num_rows), samples)
+    expanded = batch.take(rows).append_column(
+        SAMPLE_INDEX, pa.array(np.tile(np.arange(samples, dtype=np.int64), batch.num_rows))
+    )
+    if len(done) == 0:
+        return expanded
+    written = pc.is_in(row_keys(expanded.column(ID), expanded.column(SAMPLE_INDEX)), value_set=done)
+    return expanded.filter(pc.invert(written))
