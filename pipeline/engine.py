@@ -25,14 +25,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 
 
 def load_model(job: Job) -> tuple[Any, Target]:
-    """The tokenizer and target of job.model, from local files only."""
+    """The tokenizer and target of job.model (a hub id not yet cached is downloaded)."""
     from transformers import AutoTokenizer
 
-    from spot.models.loading import load_target
+    from spot.models.loading import load_target, resolve_checkpoint
 
-    path = resolve_model_path(job.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    target = load_target(path, family=job.model.family, dtype=_DTYPES[job.model.dtype])
+    directory = resolve_checkpoint(resolve_model_path(job.model.path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    target = load_target(directory, family=job.model.family, dtype=_DTYPES[job.model.dtype])
     return tokenizer, target
 
 

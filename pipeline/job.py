@@ -70,7 +70,8 @@ class InputConfig(_Section):
 class ModelConfig(_Section):
     path: str = Field(
         description="builtin:<name>, a local checkpoint directory in the family's original "
-        "format, or a hub id already in the local cache (no download, no remote code)."
+        "format, or a hub id (taken from the local cache, else downloaded by each replica); "
+        "no remote code runs."
     )
     family: Literal["sdar", "llada", "dream", "llada2"] | None = Field(
         None, description="Architecture family; None reads it from the checkpoint's config.json."
@@ -294,8 +295,8 @@ def resolve_path(path: str) -> str:
 
 
 def resolve_model_path(path: str) -> str:
-    """A checkpoint directory: builtin, local, or a hub id already in the local Hugging Face
-    cache (jobs never download: every replica would)."""
+    """A checkpoint directory (builtin, local, or a hub id found in the local Hugging Face
+    cache), or the hub id itself when it is not cached: each replica then downloads it."""
     local = resolve_path(path)
     if is_builtin(path) or os.path.isdir(local) or not _looks_like_hub_id(path):
         return local
@@ -304,11 +305,8 @@ def resolve_model_path(path: str) -> str:
 
     try:
         return snapshot_download(repo_id=path, local_files_only=True)
-    except LocalEntryNotFoundError as error:
-        raise FileNotFoundError(
-            f"not a local directory, and hub id {path!r} is not in the local cache "
-            f"(download it first: huggingface-cli download {path})"
-        ) from error
+    except LocalEntryNotFoundError:
+        return path
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -388,7 +386,9 @@ def check_paths(job: Job) -> None:
     model_dir = None
     try:
         model_dir = resolve_model_path(job.model.path)
-        if "://" not in model_dir and not Path(model_dir, "config.json").is_file():
+        if model_dir == job.model.path and _looks_like_hub_id(model_dir):
+            model_dir = None  # a hub id to download: nothing local to check
+        elif "://" not in model_dir and not Path(model_dir, "config.json").is_file():
             problems.append(
                 f"model.path: {job.model.path!r} is not a checkpoint directory (no config.json)"
             )

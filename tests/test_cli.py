@@ -1,0 +1,107 @@
+"""The `spot-pipeline` command: help everywhere, validate, bad jobs rejected before Ray
+starts, and submit -> report end to end in a subprocess (embedded Ray started and stopped
+by the command itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def job_file(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    model = make_tiny_sdar(root / "model")
+    prompts = write_prompts(
+        root / "prompts.parquet",
+        {"id": list(range(6)), "prompt": word_prompts(6), "topic": ["sums"] * 6},
+    )
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(job_dict(prompts, model, root / "out")))
+    return path
+
+
+def test_help_everywhere():
+    runner = CliRunner()
+    top = runner.invoke(main, ["--help"])
+    assert top.exit_code == 0 and "submit" in top.output and "report" in top.output
+    for command in main.list_commands(None):
+        result = runner.invoke(main, [command, "--help"])
+        assert result.exit_code == 0, (command, result.output)
+        assert "Usage:" in result.output
+
+
+def test_validate_reports_the_plan(job_file: Path):
+    result = CliRunner().invoke(main, ["validate", str(job_file)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("ok: test: 6 rows in 1 file(s), 0 duplicated id(s)")
+
+
+def test_bad_jobs_are_rejected_before_ray_starts(job_file: Path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["submit", str(job_file), "--set", "decoding.block_length=5"])
+    assert result.exit_code == 2
+    assert "decoding.block_length: must divide gen_length (16)" in result.output
+    result = runner.invoke(main, ["submit", str(job_file), "--set", "input.prompt_column=text"])
+    assert result.exit_code == 2 and "input.prompt_column: no column 'text'" in result.output
+    result = runner.invoke(main, ["validate", str(job_file), "--set", "model.path=builtin:nope"])
+    assert result.exit_code == 2 and "model.path: cannot resolve 'builtin:nope'" in result.output
+    assert not ray.is_initialized()
+
+
+def test_submit_then_report(job_file: Path):
+    out = job_file.parent / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    submit = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "submit", str(job_file)]
+        + ["--set", "decoding.samples_per_prompt=2", "--progress-interval", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert "0 already written, 12 to generate" in submit.stdout
+    assert "[progress] 12/12 rows (0 errors)" in submit.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["totals"]["rows"] == 12 and summary["job"]["decoding"]["samples_per_prompt"] == 2
+
+    report = CliRunner().invoke(main, ["report", str(out)])
+    assert report.exit_code == 0, report.output
+    assert "NFE mean / p50 / p95" in report.output and "rows" in report.output
+    for name in ("nfe_histogram.png", "accepted_steps_per_forward.png", "tokens_per_second.png"):
+        data = (out / "report" / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
+    page = (out / "report" / "index.html").read_text()
+    assert "nfe_histogram.png" in page and "<table>" in page
+
+    again = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "submit", str(job_file)]
+        + ["--set", "decoding.samples_per_prompt=2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0 and "12 already written, 0 to generate" in again.stdout
+
+
+def test_report_needs_a_summary(tmp_path: Path):
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code != 0 and "no summary.json" in result.output
