@@ -99,6 +99,42 @@ def next_commit_accuracy(model: OrderModel, samples: OrderSamples, batch: int = 
     return hits / max(1, samples.label.shape[0])
 
 
+def _fit(
+    model: torch.nn.Module,
+    samples: int,
+    batch_loss: Callable[[torch.Tensor], torch.Tensor],
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    generator: torch.Generator,
+    progress: Callable[[int, int, float], None] | None,
+) -> None:
+    """AdamW with a one-cycle schedule over shuffled mini-batches of sample indices."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    total = epochs * max(1, -(-samples // batch_size))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
+    step = 0
+    for _ in range(epochs):
+        order = torch.randperm(samples, generator=generator)
+        for s in range(0, samples, batch_size):
+            loss = batch_loss(order[s : s + batch_size])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if progress is not None:
+                progress(step, total, float(loss))
+    model.eval()
+
+
+def _init(model_class, config, seed: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # parameter init only; the caller's RNG state is untouched
+        return model_class(config)
+
+
 def train_order_model(
     train: OrderSamples,
     heldout: OrderSamples,
@@ -109,31 +145,16 @@ def train_order_model(
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> tuple[OrderModel, dict]:
-    """AdamW with cosine decay; returns the model and its held-out metrics."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # parameter init only; the caller's RNG state is untouched
-        model = OrderModel(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    """The order model and its held-out next-commit accuracy."""
+    model = _init(OrderModel, config, seed)
+
+    def batch_loss(idx):
+        logits = model(train.features[idx], train.masked[idx])
+        return -committed_log_likelihood(logits, train.label[idx]).mean()
+
     n = train.label.shape[0]
-    total = epochs * max(1, -(-n // batch_size))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
-    step = 0
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=g)
-        for s in range(0, n, batch_size):
-            idx = order[s : s + batch_size]
-            logits = model(train.features[idx], train.masked[idx])
-            loss = -committed_log_likelihood(logits, train.label[idx]).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            if progress is not None:
-                progress(step, total, float(loss))
-    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress)
     metrics = {
         "heldout_next_commit_accuracy": next_commit_accuracy(model, heldout),
         "train_next_commit_accuracy": next_commit_accuracy(model, train),
@@ -178,30 +199,15 @@ def train_set_model(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> tuple[SetModel, dict]:
     """SPOT-Sets: Bernoulli inclusion per masked position; hidden: [S, B, H] per record."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # parameter init only; the caller's RNG state is untouched
-        model = SetModel(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    model = _init(SetModel, config, seed)
+
+    def batch_loss(idx):
+        feats, h, e, m = _set_batch(train, idx, train_hidden, embed)
+        return -set_log_likelihood(model(feats, h, e, m), train.label[idx], m).mean()
+
     n = train.label.shape[0]
-    total = epochs * max(1, -(-n // batch_size))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
-    step = 0
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=g)
-        for s in range(0, n, batch_size):
-            idx = order[s : s + batch_size]
-            feats, h, e, m = _set_batch(train, idx, train_hidden, embed)
-            loss = -set_log_likelihood(model(feats, h, e, m), train.label[idx], m).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            if progress is not None:
-                progress(step, total, float(loss))
-    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress)
     metrics = {
         "heldout_exact_set_accuracy": set_accuracy(model, heldout, heldout_hidden, embed),
         "train_exact_set_accuracy": set_accuracy(model, train, train_hidden, embed),
