@@ -233,6 +233,3 @@ def calibrate_command(trajectories, out, budget, depth):
     graph = calibrate(Trajectories.load(trajectories), budget, depth)
     graph.save(out)
     click.echo(f"{len(graph.paths)} nodes, deepest {max(map(len, graph.paths))} -> {out}")
-
-
-COMMANDS = (record_command, train_command, calibrate_command)
