@@ -20,15 +20,6 @@ REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference-checkpoi
 FAMILIES = ("sdar", "llada")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is many times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _ids(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 290, (1, length), generator=torch.Generator().manual_seed(seed))
 

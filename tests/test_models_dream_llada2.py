@@ -32,15 +32,6 @@ B = 4  # block length of the hand-made windows
 EOS_BOOST = {"dream": 1.7, "llada2": 1.3}  # some requests of the tests below end with EOS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is many times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- tiny random checkpoints ------------------------------------------------------------------
 def tiny_config(family: str) -> TransformerConfig:
     base = {

@@ -20,15 +20,6 @@ from tests.tiny_checkpoints import EOS_IDS, MASK_ID, VOCAB, write_checkpoint
 B = 4  # block length of the hand-made windows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is many times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
