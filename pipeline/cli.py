@@ -14,6 +14,7 @@ import click
 
 COMMANDS = {
     "report": "pipeline.report:report_command",
+    "estimate": "pipeline.estimate:estimate_command",
     "train-target": "pipeline.train_target:train_target_command",
     "evaluate-target": "pipeline.target_quality:evaluate_target_command",
 }

@@ -32,7 +32,12 @@ def load_model(job: Job) -> tuple[Any, Target]:
 
     directory = resolve_checkpoint(resolve_model_path(job.model.path))
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    target = load_target(directory, family=job.model.family, dtype=_DTYPES[job.model.dtype])
+    if job.model.tensor_parallel > 1:
+        from pipeline.tensor_parallel import replica_target
+
+        target = replica_target(job, str(directory))
+    else:
+        target = load_target(directory, family=job.model.family, dtype=_DTYPES[job.model.dtype])
     return tokenizer, target
 
 

@@ -82,15 +82,12 @@ class ModelConfig(_Section):
         "ties, so completions may depend on batching; float64 (CPU) is exact and slow.",
     )
     tensor_parallel: int = Field(
-        1, ge=1, description="GPUs per replica the target is sharded over (large targets)."
+        1,
+        ge=1,
+        description="Ranks (one process each, one GPU each on GPUs) the target is sharded over "
+        "inside every replica, with DeepSpeed; for targets too large for one GPU. Must divide "
+        "the model's attention and key/value heads.",
     )
-
-    @field_validator("tensor_parallel")
-    @classmethod
-    def _tensor_parallel_available(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("tensor parallelism is not available yet; use 1")
-        return value
 
 
 class DrafterConfig(_Section):
@@ -217,6 +214,22 @@ class CostConfig(_Section):
     usd_per_replica_hour: float = Field(
         0.0, ge=0.0, description="Price of one replica for an hour, for $/1M tokens."
     )
+    usd_per_gpu_hour: float = Field(
+        0.0,
+        ge=0.0,
+        description="Price of one GPU for an hour; a replica costs it times its num_gpus. "
+        "Give this or usd_per_replica_hour.",
+    )
+
+    @model_validator(mode="after")
+    def _one_price(self) -> CostConfig:
+        if self.usd_per_replica_hour and self.usd_per_gpu_hour:
+            raise ValueError("give usd_per_replica_hour or usd_per_gpu_hour, not both")
+        return self
+
+    def replica_hour_price(self, gpus_per_replica: float) -> float:
+        """USD per replica-hour."""
+        return self.usd_per_replica_hour or self.usd_per_gpu_hour * gpus_per_replica
 
 
 class Job(_Section):
@@ -228,6 +241,16 @@ class Job(_Section):
     resources: ResourcesConfig = ResourcesConfig()
     output: OutputConfig
     cost: CostConfig = CostConfig()
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> Job:
+        degree, gpus = self.model.tensor_parallel, self.resources.num_gpus
+        if degree > 1 and gpus and gpus != degree:
+            raise ValueError(
+                f"resources.num_gpus: a replica of tensor_parallel {degree} runs one rank per "
+                f"GPU; set num_gpus: {degree} (or 0 on CPU), not {gpus:g}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _drafter_fits_rule(self) -> Job:
@@ -401,6 +424,10 @@ def check_paths(job: Job) -> None:
             _check_drafter_file(job.drafter.kind, drafter_file)
     except (ImportError, OSError, ValueError) as error:
         problems.append(f"drafter.path: {_reason(error)}")
+    if model_dir is not None and "://" not in model_dir and job.model.tensor_parallel > 1:
+        from pipeline.tensor_parallel import degree_problems
+
+        problems += degree_problems(model_dir, job.model.family, job.model.tensor_parallel)
     if (
         model_dir is not None
         and "://" not in model_dir

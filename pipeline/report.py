@@ -15,6 +15,7 @@ import click
 import numpy as np
 import pyarrow.compute as pc
 
+from pipeline.estimate import cluster_rows, corpus_projection
 from pipeline.output import REPORT_DIR, OutputDir
 
 PLOTS = ("nfe_histogram.png", "accepted_steps_per_forward.png", "tokens_per_second.png")
@@ -55,6 +56,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("wall time (s)", number(summary["wall_seconds"], 1)),
         ("replica-hours", number(summary["replica_hours"], 4)),
         ("tokens / s", number(summary["tokens_per_second"], 1)),
+        *cluster_rows(summary),
         ("cost (USD)", number(summary["cost_usd"], 4)),
         ("USD / 1M tokens", number(summary["usd_per_million_tokens"], 4)),
     ]
@@ -156,11 +158,23 @@ def make_report(output_path: str) -> tuple[str, Path]:
 
 @click.command("report")
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
-def report_command(output_dir: str) -> None:
+@click.option(
+    "--corpus-tokens",
+    type=float,
+    default=None,
+    help="Also project hours and cost of generating this many tokens (e.g. 1e9) at this "
+    "job's measured rates on the job's cluster and larger ones.",
+)
+def report_command(output_dir: str, corpus_tokens: float | None) -> None:
     """Print the summary of OUTPUT_DIR and write plots and an HTML page under it."""
     try:
         table, report_dir = make_report(output_dir)
+        projection = None
+        if corpus_tokens is not None:
+            projection = corpus_projection(OutputDir(output_dir).read_summary(), corpus_tokens)
     except (FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(table)
+    if projection is not None:
+        click.echo(projection)
     click.echo(f"plots and index.html in {report_dir}")

@@ -83,7 +83,7 @@ def build_summary(job: Job, table: pa.Table | None, runs: list[dict[str, Any]]) 
     counted = totals(table)
     wall = sum(r["wall_seconds"] for r in runs)
     replica_hours = sum(r["wall_seconds"] * r["replicas"] for r in runs) / 3600.0
-    cost = replica_hours * job.cost.usd_per_replica_hour
+    cost = replica_hours * job.cost.replica_hour_price(job.resources.num_gpus)
     tokens = counted["generated_tokens"]
     return {
         "job": job.model_dump(mode="json"),
@@ -91,6 +91,7 @@ def build_summary(job: Job, table: pa.Table | None, runs: list[dict[str, Any]]) 
         "totals": counted,
         "wall_seconds": wall,
         "replica_hours": replica_hours,
+        "gpu_hours": replica_hours * job.resources.num_gpus,
         "tokens_per_second": tokens / wall if wall > 0 else None,
         "cost_usd": cost,
         "usd_per_million_tokens": cost / tokens * 1e6 if tokens else None,

@@ -1,0 +1,525 @@
+"""Tensor parallelism inside one replica: the target sharded over N ranks with DeepSpeed AutoTP.
+
+A replica with `model.tensor_parallel: N` runs N ranks, one process each. Rank 0 is the
+replica itself (the Ray actor holding the engine); it spawns ranks 1..N-1 as child
+processes. Every rank loads the checkpoint and shards it with `deepspeed.init_inference`
+(an explicit injection policy for the native `DecoderLayer`: q/k/v/gate/up are column-sharded,
+o_proj/down_proj row-sharded and all-reduced, the LM head's input split and all-reduced).
+The decode loop and the drafter run on rank 0 only; every `score` call of rank 0 is first
+broadcast to the other ranks (contexts opened and released since the last call, the windows,
+their `keep`), so all ranks run the same forward on the same inputs and keep identical
+contexts (each holds its own heads' share of the KV cache). The coupled noise is keyed by
+(seed, request, step) and drawn on rank 0 from the full logits, which every rank holds after
+the final all-reduce; results come from rank 0.
+
+Why ranks spawned by the replica rather than a placement group of rank actors per replica:
+- Ray already gives an actor its `num_gpus` on one node, and TP ranks must share a node (their
+  all-reduce runs on every layer, over NVLink or shared memory). The spawned ranks inherit the
+  actor's CUDA_VISIBLE_DEVICES and take one GPU each, so the resources Ray reserves for the
+  replica (`num_gpus = tensor_parallel`) are exactly the ranks' GPUs.
+- The ranks live and die with their replica: when Ray restarts a dead replica, the new one
+  spawns fresh ranks; orphaned ranks exit when their parent disappears. A placement group of
+  separate actors would need its own gang restart and liveness protocol.
+- Rank 0 is the replica, so the logits (the large tensors) never leave its process; only the
+  windows' token ids (kilobytes) cross process boundaries, over a gloo control group.
+The price: Ray does not account the ranks as separate workers (the replica's `num_cpus`
+covers all of them), and a replica cannot span nodes, which TP should not do anyway.
+
+Process settings per rank: LOCAL_SIZE = N (DeepSpeed's shared-memory all-reduce segfaults in
+the first forward without it), OMP_NUM_THREADS = the replica's CPUs / N (at least 1;
+oversubscribed threads make CPU ranks many times slower), DS_ACCELERATOR=cpu and gloo on
+CPU, nccl on GPU, TORCH_EXTENSIONS_DIR under a cache folder (the CPU all-reduce op is
+compiled there once, ~30 s or more).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from spot.target import Scores, Window
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# DeepSpeed's default grain: MLP and LM-head shards are multiples of it (kernel alignment)
+DEFAULT_GRAIN = 64
+RENDEZVOUS_TIMEOUT = timedelta(minutes=15)  # the first start compiles the CPU all-reduce op
+# workers wait for the next command as long as the replica lives (it may idle between blocks)
+CONTROL_TIMEOUT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """The ranks of one replica.
+
+    degree: number of ranks; device: "cpu" (gloo) or "cuda" (nccl, one GPU per rank);
+    threads: torch threads per rank.
+    """
+
+    degree: int
+    device: str = "cpu"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.degree < 2:
+            raise ValueError("a tensor-parallel group needs at least 2 ranks")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        if self.threads < 1:
+            raise ValueError("threads must be at least 1")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every rank loads: a local checkpoint directory, its family, a dtype name."""
+
+    path: str
+    family: str | None = None
+    dtype: str = "float32"
+
+
+# -- job validation ---------------------------------------------------------------------------
+def degree_problems(checkpoint: str | Path, family: str | None, degree: int) -> list[str]:
+    """Why `degree` ranks cannot shard this checkpoint (empty when they can): attention
+    heads and key/value heads must split evenly over the ranks."""
+    from spot.models.registry import family_for
+
+    directory = Path(checkpoint)
+    raw = json.loads((directory / "config.json").read_text())
+    config = family_for(family, raw).native_config(raw)
+    problems = []
+    for what, count in (
+        ("attention heads", config.num_heads),
+        ("key/value heads", config.num_kv_heads),
+    ):
+        if count % degree:
+            problems.append(
+                f"model.tensor_parallel: {degree} does not divide the model's {count} {what}; "
+                f"use a divisor of {math.gcd(config.num_heads, config.num_kv_heads)}"
+            )
+    return problems
+
+
+# -- sharding ---------------------------------------------------------------------------------
+def row_parallel_names(model: nn.Module) -> tuple[str, ...]:
+    """Names (relative to a decoder layer) of the linears whose outputs are all-reduced:
+    the attention output and every MLP down projection (dense and shared experts)."""
+    names = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")  # model.layers.{i}.<name in the layer>
+        in_layer = parts[:2] == ["model", "layers"] and len(parts) > 3
+        if in_layer and isinstance(module, nn.Linear) and parts[-1] in ("o_proj", "down_proj"):
+            names.add(".".join(parts[3:]))
+    return tuple(sorted(names))
+
+
+def grain_size(model: nn.Module, degree: int) -> int:
+    """DeepSpeed's default grain (64) unless an MLP width cannot be split into equal
+    multiples of it; then the largest power of two that can (tiny test models)."""
+    widths = {
+        module.out_features
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.endswith(("gate_proj", "up_proj"))
+    }
+    grain = DEFAULT_GRAIN
+    while grain > 1 and any(w % (grain * degree) for w in widths):
+        grain //= 2
+    return grain
+
+
+def shard_model(model: nn.Module, degree: int) -> nn.Module:
+    """The model sharded in place over the current process group's `degree` ranks.
+
+    DeepSpeed casts the model to its config dtype first and accepts only float32 / bfloat16
+    (/ float16 on GPUs); the model is already in the job's dtype, so that cast is skipped,
+    which is what keeps a float64 model float64 (exactness tests)."""
+    from deepspeed.inference.config import DeepSpeedInferenceConfig
+    from deepspeed.inference.engine import InferenceEngine
+
+    from spot.models.transformer import DecoderLayer
+
+    class KeepDtypeEngine(InferenceEngine):
+        def _convert_to_dtype(self, config) -> None:
+            """The model is loaded in the job's dtype already."""
+
+    dtype = next(model.parameters()).dtype
+    config = DeepSpeedInferenceConfig(
+        tensor_parallel={"tp_size": degree, "tp_grain_size": grain_size(model, degree)},
+        replace_with_kernel_inject=False,
+        dtype=dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32,
+        injection_policy={DecoderLayer: row_parallel_names(model)},
+    )
+    sharded = KeepDtypeEngine(model, config=config).module
+    dtypes = {p.dtype for p in sharded.parameters() if p.is_floating_point()}
+    if dtypes != {dtype}:
+        raise RuntimeError(f"sharding changed the model's dtype {dtype} to {dtypes}")
+    return sharded.eval()
+
+
+def load_shard(spec: ModelSpec, degree: int, device: str):
+    """This rank's DiffusionTarget: the checkpoint loaded on CPU, sharded, moved to the
+    rank's device by DeepSpeed."""
+    from spot.models.loading import load_model
+    from spot.models.target import DiffusionTarget
+
+    loaded = load_model(spec.path, spec.family, DTYPES[spec.dtype], "cpu")
+    model = shard_model(loaded.model, degree)
+    if device == "cuda":
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
+    return DiffusionTarget(model, loaded.decoding)
+
+
+def replica_target(job, checkpoint: str) -> ShardedTarget:
+    """The target of `job` (a pipeline Job) sharded over its `model.tensor_parallel` ranks,
+    this process being rank 0: on GPUs when the replica has them, else on CPU with each
+    rank taking an equal share of the replica's CPUs."""
+    degree = job.model.tensor_parallel
+    device = "cuda" if job.resources.num_gpus > 0 else "cpu"
+    threads = max(1, int(job.resources.num_cpus // degree))
+    group = TensorParallelGroup(GroupSpec(degree, device, threads))
+    return group.load(ModelSpec(checkpoint, job.model.family, job.model.dtype))
+
+
+# -- the ranks of one replica -----------------------------------------------------------------
+def extensions_dir() -> str:
+    """Where DeepSpeed compiles its CPU all-reduce op: $TORCH_EXTENSIONS_DIR, else a cache
+    folder of this project."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(default / "spot-pipeline" / "torch_extensions")
+    )
+
+
+def rank_environment(group: GroupSpec, rank: int, port: int) -> dict[str, str]:
+    """Environment variables a rank needs before DeepSpeed is imported."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(group.degree),
+        "LOCAL_SIZE": str(group.degree),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": str(group.threads),
+        "TORCH_EXTENSIONS_DIR": extensions_dir(),
+    }
+    if group.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_all_reduce(dtype: torch.dtype, device: str) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce returns float64 tensors unreduced on CPUs
+    with AVX-512 (it reduces only float32/bfloat16/float16); refuse to decode wrong."""
+    import deepspeed.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
+    value = torch.full((8, 16), float(rank + 1), dtype=dtype, device=target_device)
+    dist.inference_all_reduce(value)
+    expected = world * (world + 1) / 2
+    if not bool((value == expected).all()):
+        raise RuntimeError(
+            f"DeepSpeed's all-reduce does not sum {dtype} tensors on this machine "
+            f"(got {value.flatten()[0].item()}, expected {expected}); use float32 or bfloat16"
+        )
+
+
+class _Ranks:
+    """This process's membership in the group: DeepSpeed's process group plus a gloo group
+    for commands from rank 0."""
+
+    def __init__(self, group: GroupSpec, rank: int):
+        import deepspeed
+
+        self.group = group
+        self.rank = rank
+        torch.set_num_threads(group.threads)
+        if group.device == "cuda":
+            torch.cuda.set_device(rank)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if group.device == "cuda" else "gloo",
+            verbose=False,
+            timeout=RENDEZVOUS_TIMEOUT,
+            rank=rank,
+            world_size=group.degree,
+        )
+        self.control = torch.distributed.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+    def broadcast(self, command: Any) -> Any:
+        """Rank 0 sends `command`; every rank returns it."""
+        box = [command]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+@dataclass(frozen=True)
+class _Load:
+    target: int
+    model: ModelSpec
+
+
+@dataclass(frozen=True)
+class _Score:
+    target: int
+    opened: list[tuple[int, torch.Tensor, int]]  # (context id, prompt [P], total length)
+    released: list[int]  # context ids rank 0 no longer holds
+    contexts: list[int]  # context ids in the order `score` received them
+    windows: list[Window]
+    block_length: int
+    output_hidden: bool
+
+
+class ShardedContext:
+    """Rank 0's handle of a context that every rank holds under the same id."""
+
+    def __init__(self, ident: int, local: Any):
+        self.ident = ident
+        self.local = local
+
+
+@dataclass
+class _Mirror:
+    """What rank 0 owes the other ranks about one target since its last broadcast."""
+
+    opened: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    next_id: int = 0
+
+
+class ShardedTarget:
+    """The Target protocol on rank 0: every call that runs the model is mirrored on all ranks.
+
+    Contexts are opened on rank 0 at once and on the other ranks with the next `score`;
+    when rank 0 drops a context, the next `score` tells the other ranks to drop theirs."""
+
+    def __init__(self, group: TensorParallelGroup, ident: int, local):
+        self.group = group
+        self.ident = ident
+        self.local = local
+        self.mask_id = local.mask_id
+        self.eos_ids = local.eos_ids
+        self.vocab_size = local.vocab_size
+        self.hidden_size = local.hidden_size
+        self.absolute_block_grid = local.absolute_block_grid
+        self.confidence = local.confidence
+        self.max_length = local.max_length
+        self.degree = group.spec.degree
+        self._mirror = _Mirror()
+
+    def open(self, prompt: torch.Tensor, total_length: int) -> ShardedContext:
+        context = ShardedContext(self._mirror.next_id, self.local.open(prompt, total_length))
+        self._mirror.next_id += 1
+        self._mirror.opened.append((context.ident, prompt.to(torch.long).cpu(), total_length))
+        weakref.finalize(context, self._mirror.released.append, context.ident)
+        return context
+
+    def committed_length(self, context: ShardedContext) -> int:
+        return self.local.committed_length(context.local)
+
+    def score(
+        self,
+        contexts: Sequence[ShardedContext],
+        windows: Sequence[Window],
+        block_length: int,
+        output_hidden: bool = False,
+    ) -> Scores:
+        mirror = self._mirror
+        opened, released = list(mirror.opened), list(mirror.released)
+        del mirror.opened[: len(opened)], mirror.released[: len(released)]
+        cpu_windows = [Window(w.context, w.tokens.cpu(), w.keep) for w in windows]
+        command = _Score(
+            self.ident,
+            opened,
+            released,
+            [c.ident for c in contexts],
+            cpu_windows,
+            block_length,
+            output_hidden,
+        )
+        self.group.send(command)
+        return self.local.score([c.local for c in contexts], windows, block_length, output_hidden)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding is not sharded; rank 0 answers alone."""
+        return self.local.embed(tokens)
+
+
+class TensorParallelGroup:
+    """Rank 0 of a replica's ranks, in this process; ranks 1..N-1 are child processes.
+
+    `load` shards a checkpoint over all ranks and returns its rank-0 target; `close` (also
+    run at interpreter exit) stops the children."""
+
+    def __init__(self, spec: GroupSpec):
+        self.spec = spec
+        self.port = _free_port()
+        self.targets: list[ShardedTarget] = []
+        os.environ.update(rank_environment(spec, 0, self.port))
+        if spec.device == "cpu":
+            _build_cpu_all_reduce()  # once, here, before the children would race for it
+        self.children = [self._spawn(rank) for rank in range(1, spec.degree)]
+        self._closing = threading.Event()
+        threading.Thread(
+            target=_exit_if_a_child_dies, args=(self.children, self._closing), daemon=True
+        ).start()
+        self.ranks = _Ranks(spec, 0)
+        self._closed = False
+        weakref.finalize(self, _abandon, self.children, self._closing)  # never closed
+
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        env = {**os.environ, **rank_environment(self.spec, rank, self.port)}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        command = [sys.executable, "-m", "pipeline.tensor_parallel", json.dumps(asdict(self.spec))]
+        return subprocess.Popen([*command, str(rank)], env=env)
+
+    def send(self, command: Any) -> None:
+        self.ranks.broadcast(command)
+
+    def load(self, model: ModelSpec) -> ShardedTarget:
+        ident = len(self.targets)
+        self.send(_Load(ident, model))
+        local = load_shard(model, self.spec.degree, self.spec.device)
+        _check_all_reduce(DTYPES[model.dtype], self.spec.device)
+        target = ShardedTarget(self, ident, local)
+        self.targets.append(target)
+        return target
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        try:
+            if all(c.poll() is None for c in self.children):
+                self.ranks.broadcast(None)
+        finally:
+            _stop_processes(self.children)
+            torch.distributed.destroy_process_group()
+
+
+def _exit_if_a_child_dies(children: list[subprocess.Popen], closing: threading.Event) -> None:
+    """A rank that died leaves the others blocked in a collective forever: end this process
+    too (a Ray replica is then restarted with fresh ranks)."""
+    while not closing.wait(0.5):
+        for child in children:
+            if child.poll() is not None and not closing.is_set():
+                print(
+                    f"tensor-parallel rank (pid {child.pid}) exited with code "
+                    f"{child.returncode}; stopping rank 0",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _kill_processes(children)
+                os._exit(70)
+
+
+def _abandon(children: list[subprocess.Popen], closing: threading.Event) -> None:
+    closing.set()
+    _kill_processes(children)
+
+
+def _kill_processes(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _stop_processes(children: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """Wait for children told to stop; kill what is still running after `grace` seconds."""
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _build_cpu_all_reduce() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
+
+
+# -- ranks 1..N-1 -----------------------------------------------------------------------------
+def serve(ranks: _Ranks) -> None:
+    """Follow rank 0's commands until it sends None: load targets, open and release
+    contexts, run the same forwards (their results are rank 0's to use)."""
+    targets: dict[int, Any] = {}
+    contexts: dict[int, dict[int, Any]] = {}
+    while True:
+        command = ranks.broadcast(None)
+        if command is None:
+            return
+        if isinstance(command, _Load):
+            targets[command.target] = load_shard(
+                command.model, ranks.group.degree, ranks.group.device
+            )
+            contexts[command.target] = {}
+            _check_all_reduce(DTYPES[command.model.dtype], ranks.group.device)
+            continue
+        target, held = targets[command.target], contexts[command.target]
+        for ident, prompt, total_length in command.opened:
+            held[ident] = target.open(prompt, total_length)
+        for ident in command.released:
+            held.pop(ident, None)
+        try:
+            target.score(
+                [held[i] for i in command.contexts],
+                command.windows,
+                command.block_length,
+                command.output_hidden,
+            )
+        except Exception:
+            # rank 0 runs the same call on the same inputs and reports the same error
+            logger.exception("rank %d: score failed", ranks.rank)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank outlives its replica only until it notices."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker_main(argv: list[str]) -> None:
+    group = GroupSpec(**json.loads(argv[0]))
+    rank = int(argv[1])
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    ranks = _Ranks(group, rank)
+    serve(ranks)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # through the importable module, so the commands unpickle to the classes serve() checks
+    from pipeline.tensor_parallel import _worker_main as main
+
+    main(sys.argv[1:])

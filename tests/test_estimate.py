@@ -1,0 +1,134 @@
+"""Cost at cluster scale: the projection arithmetic, the report's per-replica / per-GPU rates and
+corpus projection from a summary, and `spot-pipeline estimate` generating a sample of a job's
+input on this machine with one replica's engine."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.estimate import (
+    ReplicaRates,
+    cluster_rows,
+    cluster_sizes,
+    corpus_projection,
+    estimate_report,
+    measure,
+    project,
+    sample_rows,
+)
+from pipeline.job import JobError, load_job, parse_job
+from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
+
+INPUT_ROWS = 30
+
+
+def test_projection_arithmetic():
+    rates = ReplicaRates(
+        tokens_per_second=100.0, tokens_per_row=50.0, startup_seconds=360.0, gpus_per_replica=2
+    )
+    assert rates.rows_per_second == 2.0 and rates.tokens_per_gpu_second == 50.0
+    p = project(rates, tokens=3.6e6, replicas=10, price=5.0)  # 3600 s of work per replica
+    assert p.wall_hours == pytest.approx(1.1)  # 0.1 h start-up + 1 h generating
+    assert p.replica_hours == pytest.approx(11.0)
+    assert p.gpus == 20 and p.gpu_hours == pytest.approx(22.0)
+    assert p.cost_usd == pytest.approx(55.0)
+    assert p.usd_per_million_tokens == pytest.approx(55.0 / 3.6)
+    with pytest.raises(ValueError, match="replicas"):
+        project(rates, 1.0, 0, 1.0)
+    assert cluster_sizes(2) == [2, 4, 8, 16, 32]
+    assert cluster_sizes(2, most_useful=9) == [2, 4, 8]  # no more replicas than batches
+
+
+def test_job_prices_per_gpu_or_per_replica():
+    job = {"name": "x", "input": {"path": "a"}, "model": {"path": "m"}, "output": {"path": "o"}}
+    both = {**job, "cost": {"usd_per_gpu_hour": 2.0, "usd_per_replica_hour": 5.0}}
+    with pytest.raises(JobError, match="not both"):
+        parse_job(both)
+    per_gpu = parse_job({**job, "cost": {"usd_per_gpu_hour": 2.0}})
+    assert per_gpu.cost.replica_hour_price(4) == 8.0
+    per_replica = parse_job({**job, "cost": {"usd_per_replica_hour": 5.0}})
+    assert per_replica.cost.replica_hour_price(4) == 5.0
+
+
+def _summary(tokens: int, rows: int, wall: float, replicas: int, gpus: float) -> dict:
+    replica_hours = wall * replicas / 3600
+    return {
+        "job": {
+            "resources": {"replicas": replicas, "num_gpus": gpus},
+            "cost": {"usd_per_replica_hour": 0.0, "usd_per_gpu_hour": 2.0},
+        },
+        "totals": {"generated_tokens": tokens, "rows": rows},
+        "replica_hours": replica_hours,
+    }
+
+
+def test_report_rates_and_corpus_projection_from_a_summary():
+    summary = _summary(tokens=7200, rows=72, wall=1800.0, replicas=2, gpus=2)
+    rows = dict(cluster_rows(summary))
+    assert rows["tokens / s per replica"] == "2.00"  # 7200 tokens / 3600 replica-seconds
+    assert rows["tokens / s per GPU"] == "1.00"
+    assert rows["GPU-hours"] == "2.0000"
+    text = corpus_projection(summary, 14400)
+    lines = text.splitlines()
+    first = lines[2].split()  # 4 GPUs = 2 replicas: 14400 / (2 tok/s x 2) = 1 h
+    assert first[:3] == ["4", "2", "1.000"]
+    assert first[3:6] == ["2.000", "4.000", "8.00"]  # replica-h, GPU-h, at $2 per GPU-hour
+    assert len(lines) == 8  # title, header, 5 cluster sizes, assumptions
+    cpu = _summary(tokens=10, rows=1, wall=10.0, replicas=1, gpus=0)
+    assert dict(cluster_rows(cpu))["tokens / s per GPU"] == "-"
+    with pytest.raises(ValueError, match="no tokens"):
+        corpus_projection(_summary(0, 1, 10.0, 1, 0), 1e9)
+
+
+@pytest.fixture(scope="module")
+def job_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("estimate")
+    model = make_tiny_sdar(root / "model")
+    prompts = write_prompts(
+        root / "prompts.parquet",
+        {"id": [f"p{i}" for i in range(INPUT_ROWS)], "prompt": word_prompts(INPUT_ROWS)},
+    )
+    job = job_dict(
+        prompts,
+        model,
+        root / "out",
+        decoding={"samples_per_prompt": 2},
+        resources={"replicas": 2, "batch_size": 4, "num_cpus": 1, "num_gpus": 0},
+        cost={"usd_per_replica_hour": 3.0},
+    )
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_estimate_measures_one_replica_on_a_sample(job_file):
+    job = load_job(job_file)
+    rows, input_rows = sample_rows(job, 3, seed=1)
+    assert input_rows == INPUT_ROWS and rows.num_rows == 6  # 3 rows x 2 samples
+    again, _ = sample_rows(job, 3, seed=1)
+    assert again.column("id").to_pylist() == rows.column("id").to_pylist()
+    assert sample_rows(job, 3, seed=2)[0].column("id") != rows.column("id")
+    measurement = measure(job, rows)
+    rates = measurement.rates
+    assert measurement.sample_rows == 6 and measurement.errors == 0
+    assert rates.tokens_per_second > 0 and rates.startup_seconds > 0
+    assert measurement.nfe_per_row >= 1
+    report = estimate_report(job, measurement, input_rows)
+    assert f"{INPUT_ROWS} rows x 2 samples = {2 * INPUT_ROWS} rows" in report
+    table = [line.split() for line in report.splitlines() if line[:9].strip().isdigit()]
+    assert [int(line[0]) for line in table] == [2, 4, 8]  # 15 batches of work: 16 would idle
+    tokens = 2 * INPUT_ROWS * rates.tokens_per_row
+    expected = project(rates, tokens, 2, 3.0)
+    assert float(table[0][2]) == pytest.approx(expected.wall_hours, abs=1e-3)
+    assert float(table[0][5]) == pytest.approx(expected.cost_usd, abs=0.01)
+
+
+def test_estimate_command(job_file):
+    result = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "2"])
+    assert result.exit_code == 0, result.output
+    assert "whole input: 30 rows" in result.output and "assumptions:" in result.output
+    bad = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "0"])
+    assert bad.exit_code != 0 and "--sample" in bad.output

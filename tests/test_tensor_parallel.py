@@ -1,0 +1,180 @@
+"""Tensor parallelism on CPU with gloo: a target sharded over 2 ranks by DeepSpeed AutoTP decodes
+exactly what the unsharded target decodes (float64, T=0 and T>0, draft-free and with a drafter
+whose many windows per request exercise the mirrored contexts), for every native family; a
+degree that does not divide the heads is refused.
+
+The sharded runs happen in a child process (rank 0) that spawns rank 1, so the test process
+never joins a process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline.job import JobError, load_job
+from pipeline.tensor_parallel import (
+    GroupSpec,
+    ModelSpec,
+    TensorParallelGroup,
+    degree_problems,
+    grain_size,
+    row_parallel_names,
+)
+from spot.config import DecodingConfig
+from spot.decode import Request, generate
+from spot.models.loading import load_model, load_target
+from spot.target import Window
+from tests import test_models_dream_llada2 as dream_llada2
+from tests import tiny_checkpoints
+from tests.pipeline_fixtures import job_dict, write_prompts
+from tests.random_drafter import RandomDrafter
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("sdar", "llada", "dream", "llada2")
+TEMPERATURES = (0.0, 0.8)
+
+
+def write_checkpoint(directory: Path, family: str) -> Path:
+    """A tiny float64 checkpoint of the family (4 heads, 2 key/value heads but LLaDA's 4)."""
+    if family in ("dream", "llada2"):
+        return dream_llada2.write_checkpoint(directory, family, seed=5)
+    return tiny_checkpoints.write_checkpoint(directory, family, seed=5)
+
+
+def _requests() -> list[Request]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = (3, 6, 9)
+    return [
+        Request(torch.randint(0, 290, (n,), generator=generator), key=100 + i)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def _tokens(results) -> list[list[int]]:
+    return [r.tokens.tolist() for r in results]
+
+
+def drive(checkpoints: dict[str, str], out_file: str) -> None:
+    """Rank 0 of a 2-rank group (run in a child process): decode with the sharded and the
+    plain target of every checkpoint and write what the test compares as JSON."""
+    group = TensorParallelGroup(GroupSpec(degree=2))
+    report: dict[str, dict] = {}
+    for family, path in checkpoints.items():
+        plain = load_target(path, dtype=torch.float64)
+        sharded = group.load(ModelSpec(path, None, "float64"))
+        parts = [t.model.model.layers[0].self_attn for t in (sharded.local, plain)]
+        record: dict = {
+            "q_rows": [a.q_proj.weight.shape[0] for a in parts],
+            "heads": [[a.num_heads, a.num_kv_heads] for a in parts],
+            "dtype": str(parts[0].q_proj.weight.dtype),
+        }
+        prompt = _requests()[1].prompt
+        windows = [Window(0, torch.full((4,), plain.mask_id)), Window(0, prompt[:4].clone())]
+        diffs = []
+        for target in (plain, sharded):
+            context = target.open(prompt, 16)
+            diffs.append(target.score([context], windows, 4).logits)
+        record["max_logit_diff"] = float((diffs[0] - diffs[1]).abs().max())
+        for temperature in TEMPERATURES:
+            config = DecodingConfig(gen_length=16, block_length=4, temperature=temperature, seed=3)
+            record[str(temperature)] = {
+                "plain": _tokens(generate(plain, _requests(), config)),
+                "sharded": _tokens(generate(sharded, _requests(), config)),
+                "sharded_drafted": _tokens(
+                    generate(sharded, _requests(), config, RandomDrafter(seed=1))
+                ),
+            }
+        report[family] = record
+    group.close()
+    Path(out_file).write_text(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("tp")
+    checkpoints = {f: str(write_checkpoint(root / f, f)) for f in FAMILIES}
+    out = root / "report.json"
+    code = (
+        "import json, sys; from tests.test_tensor_parallel import drive; "
+        "drive(json.loads(sys.argv[1]), sys.argv[2])"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(checkpoints), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow  # two ranks of DeepSpeed on 2 shared cores: 1-3 minutes
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_target_decodes_exactly_like_the_unsharded_one(sharded_runs, family):
+    record = sharded_runs[family]
+    # really sharded: half the query rows, half the heads and key/value heads per rank
+    assert record["q_rows"][0] * 2 == record["q_rows"][1]
+    (heads, kv_heads), full = record["heads"]
+    assert [heads * 2, kv_heads * 2] == full
+    assert record["dtype"] == "torch.float64"
+    assert record["max_logit_diff"] < 1e-10
+    for temperature in map(str, TEMPERATURES):
+        runs = record[temperature]
+        assert runs["sharded"] == runs["plain"]
+        assert runs["sharded_drafted"] == runs["plain"]
+    assert record["0.0"]["plain"] != record["0.8"]["plain"]  # sampling changed something
+
+
+def test_degree_must_divide_heads_and_key_value_heads(tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "sdar", "sdar")  # 4 heads, 2 key/value heads
+    assert degree_problems(checkpoint, None, 2) == []
+    problems = degree_problems(checkpoint, None, 4)
+    assert len(problems) == 1 and "2 key/value heads" in problems[0]
+    problems = degree_problems(checkpoint, None, 3)
+    assert len(problems) == 2 and "4 attention heads" in problems[0]
+
+
+def test_sharding_plan_of_the_native_layers(tmp_path):
+    model = load_model(write_checkpoint(tmp_path / "llada2", "llada2")).model
+    # dense layer 0 and the MoE layers' shared experts are all-reduced after down_proj
+    assert row_parallel_names(model) == (
+        "mlp.down_proj",
+        "mlp.shared_experts.down_proj",
+        "self_attn.o_proj",
+    )
+    assert grain_size(model, 2) == 8  # shared expert width 16 over 2 ranks
+    big = load_model(write_checkpoint(tmp_path / "sdar", "sdar")).model
+    assert grain_size(big, 2) == 32  # intermediate 64 over 2 ranks
+
+
+def test_group_needs_two_ranks():
+    with pytest.raises(ValueError, match="at least 2"):
+        TensorParallelGroup(GroupSpec(degree=1))
+
+
+def test_job_validation_refuses_degrees_the_model_or_resources_cannot_take(tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "sdar", "sdar")  # 4 heads, 2 key/value heads
+    prompts = write_prompts(tmp_path / "in.parquet", {"id": ["a"], "prompt": ["hi"]})
+    path = tmp_path / "job.yaml"
+
+    def load(**model_and_resources):
+        job = job_dict(prompts, checkpoint, tmp_path / "out", **model_and_resources)
+        job["input"]["chat_template"] = False
+        path.write_text(yaml.safe_dump(job))
+        return load_job(path)
+
+    assert load(model={"tensor_parallel": 2}).model.tensor_parallel == 2
+    with pytest.raises(JobError, match="does not divide the model's 2 key/value heads"):
+        load(model={"tensor_parallel": 4})
+    with pytest.raises(JobError, match="one rank per GPU"):
+        load(model={"tensor_parallel": 2}, resources={"num_gpus": 1})
