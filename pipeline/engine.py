@@ -31,13 +31,16 @@ def load_model(job: Job) -> tuple[Any, Target]:
     from spot.models.loading import load_target, resolve_checkpoint
 
     directory = resolve_checkpoint(resolve_model_path(job.model.path))
+    device = "cuda" if job.resources.num_gpus > 0 else "cpu"  # Ray exposes the replica's GPU
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if job.model.tensor_parallel > 1:
         from pipeline.tensor_parallel import replica_target
 
         target = replica_target(job, str(directory))
     else:
-        target = load_target(directory, family=job.model.family, dtype=_DTYPES[job.model.dtype])
+        target = load_target(
+            directory, family=job.model.family, dtype=_DTYPES[job.model.dtype], device=device
+        )
     return tokenizer, target
 
 
