@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import subprocess
 import sys
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,13 +33,48 @@ _LIBRARIES = (
 
 
 def versions() -> dict[str, str]:
+    """Python, platform, the package (its source commit when run from a checkout) and the
+    libraries that decide the numbers."""
     found = {"python": sys.version.split()[0], "platform": platform.platform()}
     for name in _LIBRARIES:
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = "not installed"
+    if found["spot-pipeline"] == "not installed":
+        found["spot-pipeline"] = _source_version()
+    commit = _source_commit()
+    if commit:
+        found["spot-pipeline commit"] = commit
     return found
+
+
+def _source_version() -> str:
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.is_file():
+        return "unknown"
+    return tomllib.loads(pyproject.read_text())["project"]["version"] + " (source)"
+
+
+def _source_commit() -> str | None:
+    """The checkout's commit, '+modified' when its tracked files differ; None outside git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if commit.returncode != 0:
+        return None
+    return commit.stdout.strip() + ("+modified" if dirty.stdout.strip() else "")
 
 
 def _column(table: pa.Table, name: str, ok: pa.Array) -> np.ndarray:
