@@ -113,16 +113,22 @@ def commit_rule(
     config: DecodingConfig,
     mask_id: int,
     confidence: ConfidenceName,
+    opening: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The target's next block state.
 
     block: [N, B] tokens with mask_id where still masked; logits: [N, B, V] the target's
     logits for that state; gumbel: [N, B, V] noise of each row's step (None at T=0);
-    k: [N] static count of each row's step. Returns the next block state [N, B].
+    k: [N] static count of each row's step; opening: [N] bool, rows whose transition commits
+    the first masked position whatever the rule (Dream's block opening).
+    Returns the next block state [N, B].
     """
     tokens, conf = sample_tokens(
         logits, gumbel, config.temperature, config.top_k, config.top_p, confidence, mask_id
     )
     masked = block == mask_id
     commit = select_commits(conf, masked, k.to(block.device), config.rule, config.threshold)
+    if opening is not None and bool(opening.any()):
+        first = masked & (masked.cumsum(dim=-1) == 1)
+        commit = torch.where(opening.to(block.device)[:, None], first, commit)
     return torch.where(commit, tokens.to(block.device), block)

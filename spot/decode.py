@@ -190,6 +190,7 @@ def _open(target: Target, index: int, request: Request, config: DecodingConfig) 
         target.absolute_block_grid,
         target.mask_id,
         target.eos_ids,
+        target.opening_commit,
     )
     if layout.total_length > target.max_length:
         raise ValueError(
@@ -307,7 +308,8 @@ def _successors(
                 cache[key] = noise.gumbel(config.seed, key[0], key[1], shape)
             rows.append(cache[key])
         gumbel = torch.stack(rows)
+    opening = torch.tensor([a.layout.opening_commit and node.block_step == 0 for a, node in owners])
     next_blocks = commit_rule(
-        blocks, scores.logits, gumbel, k, config, target.mask_id, confidence
+        blocks, scores.logits, gumbel, k, config, target.mask_id, confidence, opening
     ).cpu()
     return [advance(a.layout, node, nb) for (a, node), nb in zip(owners, next_blocks)]

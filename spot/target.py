@@ -51,6 +51,7 @@ class Target(Protocol):
     absolute_block_grid: bool  # SDAR/LLaDA2: blocks aligned to position 0, else to the prompt end
     confidence: ConfidenceName  # the family's own confidence at T>0
     max_length: int  # longest sequence (prompt + generation) the target accepts
+    opening_commit: bool  # each block's first transition commits its first position (Dream)
 
     def open(self, prompt: torch.Tensor, total_length: int) -> Any:
         """A fresh context for one request: prompt [P] long, total sequence length."""

@@ -32,6 +32,7 @@ class Layout:
     steps_per_block: int
     mask_id: int
     eos_ids: tuple[int, ...]
+    opening_commit: bool = False  # a block's first transition commits its first position
 
     @classmethod
     def for_prompt(
@@ -43,6 +44,7 @@ class Layout:
         absolute_grid: bool,
         mask_id: int,
         eos_ids: tuple[int, ...],
+        opening_commit: bool = False,
     ) -> Layout:
         if absolute_grid:
             first = prompt_length // block_length * block_length
@@ -50,7 +52,16 @@ class Layout:
         else:
             first = prompt_length
             total = prompt_length + gen_length
-        return cls(prompt_length, total, block_length, first, steps_per_block, mask_id, eos_ids)
+        return cls(
+            prompt_length,
+            total,
+            block_length,
+            first,
+            steps_per_block,
+            mask_id,
+            eos_ids,
+            opening_commit,
+        )
 
     def initial_block(self, prompt: torch.Tensor) -> torch.Tensor:
         """First block state [B]: the prompt's tail (absolute grid) then masks."""
@@ -66,8 +77,16 @@ class Layout:
         an absolute grid the prompt's partial first block keeps that schedule, as SDAR's and
         LLaDA2.0's `generate` do, and so finishes in fewer steps (the rule commits at most the
         masked positions); re-splitting its masked count would commit other positions at T=0.
+        With an opening commit (Dream) step 0 commits the first position and the schedule
+        splits the rest of the block over the following steps.
         """
-        schedule = transfer_schedule(self.block_length, self.steps_per_block)
+        if self.opening_commit:
+            if block_step == 0:
+                return 1
+            block_step -= 1
+            schedule = transfer_schedule(self.block_length - 1, self.steps_per_block)
+        else:
+            schedule = transfer_schedule(self.block_length, self.steps_per_block)
         return schedule[block_step] if block_step < len(schedule) else self.block_length
 
     def ends_request(self, block_start: int, block: torch.Tensor) -> bool:

@@ -99,3 +99,24 @@ def test_confidence_kinds_at_positive_temperature():
     _, plain = sample_tokens(logits, g, 0.5, confidence="untempered")
     assert math.isclose(float(tempered), float(torch.softmax(logits[0, 0] / 0.5, -1)[0]))
     assert math.isclose(float(plain), float(torch.softmax(logits[0, 0], -1)[0]))
+
+
+def test_opening_rows_commit_the_first_masked_position_whatever_the_rule():
+    from spot.commit import commit_rule
+    from spot.config import DecodingConfig
+
+    block = torch.tensor([[5, 11, 11, 11], [11, 11, 11, 11]])
+    logits = torch.zeros(2, 4, 12)
+    logits[:, :, 3] = torch.tensor([0.0, 1.0, 2.0, 9.0])  # position 3 is the most confident
+    config = DecodingConfig(gen_length=4, block_length=4, rule="threshold", threshold=0.5)
+    out = commit_rule(
+        block,
+        logits,
+        None,
+        torch.tensor([1, 1]),
+        config,
+        11,
+        "untempered",
+        torch.tensor([True, False]),
+    )
+    assert out.tolist() == [[5, 3, 11, 11], [11, 11, 11, 3]]

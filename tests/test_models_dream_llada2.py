@@ -616,18 +616,23 @@ def _end_of_eos_block(tokens: torch.Tensor, offset: int, block_length: int) -> i
 def dream_generate(
     model: Transformer, prompt: torch.Tensor, gen_length: int, block_length: int, steps: int
 ) -> torch.Tensor:
-    """Dream's sampler at T=0 with `maskgit_plus` confidence, written out: the whole canvas
-    (prompt, then masks to the end) bidirectionally at every step, logits shifted by one,
-    blocks from the end of the prompt, the block's masks split evenly over `steps`."""
+    """Dream's block sampler at T=0 with `maskgit_plus` confidence, written out: the whole
+    canvas (prompt, then masks to the end) bidirectionally at every step, logits shifted by
+    one, blocks from the end of the prompt; each block opens by committing its first position
+    (as Fast-dLLM's block sampler does), then the rest is split evenly over `steps`."""
     p = prompt.numel()
     x = torch.cat([prompt, _masks(gen_length)])
+
+    def shifted_logits():
+        with torch.no_grad():
+            logits = model.full_logits(x[None])[0]
+        return torch.cat([logits[:1], logits[:-1]])  # Dream's shift
+
     for lo in range(p, p + gen_length, block_length):
-        schedule = get_num_transfer_tokens(block_length, steps)
+        x[lo] = greedy(shifted_logits()[lo : lo + 1])[0][0]
+        schedule = get_num_transfer_tokens(block_length - 1, steps)
         for step in range(steps):
-            with torch.no_grad():
-                logits = model.full_logits(x[None])[0]
-            logits = torch.cat([logits[:1], logits[:-1]])  # Dream's shift
-            x0, x0_p = greedy(logits[lo : lo + block_length])
+            x0, x0_p = greedy(shifted_logits()[lo : lo + block_length])
             masked = x[lo : lo + block_length] == MASK_ID
             confidence = torch.where(masked, x0_p, NEG_INF)
             chosen = torch.topk(confidence, int(schedule[step])).indices

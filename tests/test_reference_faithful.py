@@ -273,8 +273,8 @@ def test_llada2_matches_generate(targets, block_length, tokens_per_step, rule, h
 @pytest.mark.parametrize("quantile", [0.5, 0.8])
 @pytest.mark.parametrize("heavy", [False, True])
 def test_dream_matches_fast_dllm_block_sampler(targets, block_length, quantile, heavy):
-    """Fast-dLLM's block sampler for Dream with its threshold algorithm, less the opening
-    commit of each block's first position, which the project does not reproduce."""
+    """Fast-dLLM's block sampler for Dream with its threshold algorithm, including the
+    opening commit of each block's first position."""
     target = targets["dream", heavy]
     prompts = _prompts()
     config = DecodingConfig(gen_length=2 * block_length, block_length=block_length)
@@ -290,7 +290,6 @@ def test_dream_matches_fast_dllm_block_sampler(targets, block_length, quantile, 
             gen_length=config.gen_length,
             block_length=block_length,
             threshold=threshold,
-            opening_commit=False,
         )
         generated = x[prompt.numel() :]
         n = _end_of_eos_block(generated, block_length, target.eos_ids)

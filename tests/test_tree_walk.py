@@ -110,3 +110,8 @@ def test_tree_rejects_malformed_parents():
         DraftTree((root, root), (-1, 1))
     with pytest.raises(ValueError):
         DraftTree((root,), (0,))
+
+
+def test_opening_commit_schedule_splits_the_rest_of_the_block():
+    lay = Layout.for_prompt(4, 8, 4, 2, False, M, (EOS,), opening_commit=True)
+    assert [lay.commit_count(4, s) for s in range(3)] == [1, 2, 1]

@@ -26,6 +26,7 @@ class ToyTarget:
     eos_ids = (10,)
     confidence = "untempered"
     max_length = 512
+    opening_commit = False
 
     def __init__(self, seed: int = 0, absolute_block_grid: bool = False, sharpness: float = 3.0):
         g = torch.Generator().manual_seed(seed)

@@ -54,6 +54,9 @@ class Dream(Family):
     block_causal = False
     absolute_block_grid = False
     logit_shift = True
+    # Fast-dLLM's block sampler for Dream opens each block by committing its first position
+    # (dream/model/generation_utils_block.py), then runs the commit rule
+    opening_commit = True
 
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
         if raw.get("rope_scaling"):

@@ -38,6 +38,7 @@ class Decoding:
     absolute_block_grid: bool  # blocks aligned to position 0, else to the prompt end
     logit_shift: bool  # hidden state i-1 predicts token i (Dream)
     max_length: int
+    opening_commit: bool = False  # a block's first step commits its first position (Dream)
 
     def __post_init__(self) -> None:
         if self.block_causal and not self.absolute_block_grid:
@@ -59,6 +60,7 @@ class Family:
     block_causal: bool
     absolute_block_grid: bool
     logit_shift: bool = False
+    opening_commit: bool = False
 
     # -- config.json ------------------------------------------------------------------------
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
@@ -108,6 +110,7 @@ class Family:
             absolute_block_grid=self.absolute_block_grid,
             logit_shift=self.logit_shift,
             max_length=self.max_length(raw),
+            opening_commit=self.opening_commit,
         )
 
     def extra_eos_tokens(self) -> tuple[str, ...]:

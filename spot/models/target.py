@@ -67,6 +67,7 @@ class DiffusionTarget:
         self.hidden_size = config.hidden_size
         self.absolute_block_grid = decoding.absolute_block_grid
         self.confidence = decoding.confidence
+        self.opening_commit = decoding.opening_commit
         self.max_length = min(decoding.max_length, config.max_position_embeddings)
         parameter = next(model.parameters())
         self.device = parameter.device
