@@ -42,8 +42,10 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _env() -> dict[str, str]:
-    # every process of this cluster agrees on auth (a token file would switch it on)
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    """Every process of this cluster agrees on auth (a token file would switch it on), and
+    the job's entrypoint (`python -m pipeline.cli ...`) finds this environment's python."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "PATH": path}
 
 
 def _node_ports(ports: list[int]) -> list[str]:

@@ -178,3 +178,31 @@ def test_job_validation_refuses_degrees_the_model_or_resources_cannot_take(tmp_p
         load(model={"tensor_parallel": 4})
     with pytest.raises(JobError, match="one rank per GPU"):
         load(model={"tensor_parallel": 2}, resources={"num_gpus": 1})
+
+
+@pytest.mark.slow  # four pipeline runs, two of them with DeepSpeed ranks: several minutes
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_job_with_tensor_parallel_2_writes_what_tensor_parallel_1_writes(tmp_path, temperature):
+    from pipeline.job import parse_job
+    from pipeline.runner import run_job
+    from tests.pipeline_fixtures import by_key, make_tiny_sdar, read_output, word_prompts
+
+    model = make_tiny_sdar(tmp_path / "model")
+    prompts = write_prompts(
+        tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(5)], "prompt": word_prompts(5)}
+    )
+    written = {}
+    for degree in (1, 2):
+        out = tmp_path / f"tp{degree}"
+        job = job_dict(
+            prompts,
+            model,
+            out,
+            model={"tensor_parallel": degree},
+            decoding={"temperature": temperature, "seed": 4},
+            resources={"replicas": 1, "batch_size": 3, "num_cpus": 1},
+        )
+        run_job(parse_job(job), echo=lambda line: None)
+        written[degree] = by_key(read_output(out), "completion_token_ids", "nfe", "error")
+    assert written[1] == written[2]
+    assert all(error is None and tokens for tokens, _, error in written[2].values())
