@@ -44,16 +44,19 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from spot.target import Scores, Window
+from spot.target import Scores, Target, Window
+
+if TYPE_CHECKING:
+    from pipeline.job import Job
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +189,8 @@ def load_shard(spec: ModelSpec, degree: int, device: str):
     return DiffusionTarget(model, loaded.decoding)
 
 
-def replica_target(job, checkpoint: str) -> ShardedTarget:
-    """The target of `job` (a pipeline Job) sharded over its `model.tensor_parallel` ranks,
+def replica_target(job: Job, checkpoint: str) -> ShardedTarget:
+    """The target of `job` sharded over its `model.tensor_parallel` ranks,
     this process being rank 0: on GPUs when the replica has them, else on CPU with each
     rank taking an equal share of the replica's CPUs."""
     degree = job.model.tensor_parallel
@@ -319,13 +322,8 @@ class ShardedTarget:
         self.group = group
         self.ident = ident
         self.local = local
-        self.mask_id = local.mask_id
-        self.eos_ids = local.eos_ids
-        self.vocab_size = local.vocab_size
-        self.hidden_size = local.hidden_size
-        self.absolute_block_grid = local.absolute_block_grid
-        self.confidence = local.confidence
-        self.max_length = local.max_length
+        for name in Target.__annotations__:  # the protocol's attributes, as rank 0 has them
+            setattr(self, name, getattr(local, name))
         self.degree = group.spec.degree
         self._mirror = _Mirror()
 
@@ -469,23 +467,21 @@ def _build_cpu_all_reduce() -> None:
 
 
 # -- ranks 1..N-1 -----------------------------------------------------------------------------
-def serve(ranks: _Ranks) -> None:
-    """Follow rank 0's commands until it sends None: load targets, open and release
-    contexts, run the same forwards (their results are rank 0's to use)."""
-    targets: dict[int, Any] = {}
-    contexts: dict[int, dict[int, Any]] = {}
-    while True:
-        command = ranks.broadcast(None)
-        if command is None:
-            return
+class Follower:
+    """A rank other than 0: its own shards of rank 0's targets and copies of its contexts,
+    kept identical by applying rank 0's commands in order."""
+
+    def __init__(self, load: Callable[[ModelSpec], Any]):
+        self.load = load
+        self.targets: dict[int, Any] = {}
+        self.contexts: dict[int, dict[int, Any]] = {}  # target -> context id -> context
+
+    def apply(self, command: _Load | _Score) -> None:
         if isinstance(command, _Load):
-            targets[command.target] = load_shard(
-                command.model, ranks.group.degree, ranks.group.device
-            )
-            contexts[command.target] = {}
-            _check_all_reduce(DTYPES[command.model.dtype], ranks.group.device)
-            continue
-        target, held = targets[command.target], contexts[command.target]
+            self.targets[command.target] = self.load(command.model)
+            self.contexts[command.target] = {}
+            return
+        target, held = self.targets[command.target], self.contexts[command.target]
         for ident, prompt, total_length in command.opened:
             held[ident] = target.open(prompt, total_length)
         for ident in command.released:
@@ -499,7 +495,22 @@ def serve(ranks: _Ranks) -> None:
             )
         except Exception:
             # rank 0 runs the same call on the same inputs and reports the same error
-            logger.exception("rank %d: score failed", ranks.rank)
+            logger.exception("score failed on a follower rank")
+
+
+def serve(ranks: _Ranks) -> None:
+    """Follow rank 0's commands until it sends None: load targets, open and release
+    contexts, run the same forwards (their results are rank 0's to use)."""
+    group = ranks.group
+
+    def load(model: ModelSpec):
+        target = load_shard(model, group.degree, group.device)
+        _check_all_reduce(DTYPES[model.dtype], group.device)
+        return target
+
+    follower = Follower(load)
+    while (command := ranks.broadcast(None)) is not None:
+        follower.apply(command)
 
 
 def _exit_with_parent(parent: int) -> None:

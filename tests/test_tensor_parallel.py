@@ -8,8 +8,10 @@ never joins a process group."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +22,13 @@ import yaml
 
 from pipeline.job import JobError, load_job
 from pipeline.tensor_parallel import (
+    DTYPES,
+    Follower,
     GroupSpec,
     ModelSpec,
+    ShardedTarget,
     TensorParallelGroup,
+    _Load,
     degree_problems,
     grain_size,
     row_parallel_names,
@@ -133,6 +139,54 @@ def test_sharded_target_decodes_exactly_like_the_unsharded_one(sharded_runs, fam
         assert runs["sharded"] == runs["plain"]
         assert runs["sharded_drafted"] == runs["plain"]
     assert record["0.0"]["plain"] != record["0.8"]["plain"]  # sampling changed something
+
+
+class Loopback:
+    """The command channel without processes: rank 0's commands, pickled as broadcast
+    pickles them, applied at once to a follower holding an unsharded copy of the target."""
+
+    def __init__(self, follower: Follower):
+        self.spec = GroupSpec(degree=2)
+        self.follower = follower
+        self.sent: list = []
+
+    def send(self, command) -> None:
+        self.sent.append(command)
+        self.follower.apply(pickle.loads(pickle.dumps(command)))
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_followers_mirror_rank_0_contexts_through_its_commands(tmp_path, family):
+    """The protocol that keeps ranks in step, on plain targets: every context rank 0 opens
+    and keeps is rebuilt on the follower, released ones are dropped, and decoding through
+    the mirrored target is unchanged."""
+    path = write_checkpoint(tmp_path / family, family)
+    follower = Follower(lambda model: load_target(model.path, model.family, DTYPES[model.dtype]))
+    channel = Loopback(follower)
+    model = ModelSpec(str(path), None, "float64")
+    channel.send(_Load(0, model))
+    sharded = ShardedTarget(channel, 0, load_target(path, dtype=torch.float64))
+    config = DecodingConfig(gen_length=16, block_length=4, temperature=0.8, seed=3)
+    plain = load_target(path, dtype=torch.float64)
+    expected = _tokens(generate(plain, _requests(), config))
+    assert _tokens(generate(sharded, _requests(), config, RandomDrafter(seed=1))) == expected
+    assert sharded.opening_commit == plain.opening_commit  # every protocol attribute mirrored
+
+    gc.collect()  # the finished requests' contexts are gone on rank 0 ...
+    prompt = _requests()[2].prompt
+    context = sharded.open(prompt, 32)
+    keep = 8 if family == "sdar" else 4  # whole blocks for the block-causal target
+    window = Window(0, torch.cat([prompt[:keep], torch.full((4,), plain.mask_id)]), keep)
+    sharded.score([context], [window], 4)
+    held = follower.contexts[0]
+    assert list(held) == [context.ident]  # ... and now on the follower too
+    mirror = held[context.ident]
+    assert sharded.committed_length(context) == follower.targets[0].committed_length(mirror)
+    assert sharded.committed_length(context) > 0
+    if family == "sdar":  # the exact KV cache written by the kept tokens is the same
+        for mine, theirs in zip(context.local.keys, mirror.keys):
+            assert torch.equal(mine, theirs)
+    assert sum(len(c.windows) for c in channel.sent[1:]) > len(channel.sent) - 1  # trees
 
 
 def test_degree_must_divide_heads_and_key_value_heads(tmp_path):
