@@ -111,8 +111,9 @@ class DiffusionTarget:
         return None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Input embeddings [..., H] of tokens [...] (candidate-token features for drafters)."""
-        with torch.inference_mode():
+        """Input embeddings [..., H] of tokens [...] (candidate-token features for drafters;
+        plain tensors, not inference-mode ones, so drafter training can use them)."""
+        with torch.no_grad():
             return self.model.embed(tokens.to(self.device))
 
     # -- bidirectional -----------------------------------------------------------------------
