@@ -1,20 +1,30 @@
 """End to end on a real local Ray: Parquet prompts in, corpus and per-sample stats out.
 
 The output contract (columns, carried columns, one row per input row and sample, readers),
-bad rows as error rows, the summary, and reproducibility across replicas and batch sizes.
+bad rows as error rows, the summary, reproducibility across replicas and batch sizes, and
+faults: a replica that dies, a job interrupted and submitted again, part files that appear
+whole or not at all. One Ray for the module; runs are shared between tests where a run can
+show two things (six Ray runs in all).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.dataset as pds
+import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import parse_job
-from pipeline.runner import run_job
+from pipeline.job import Job, parse_job
+from pipeline.output import OutputDir, write_atomically, write_part
+from pipeline.runner import GenerationActor, run_job
 from pipeline.schema import GENERATED_FIELDS
 from tests.pipeline_fixtures import (
     by_key,
@@ -27,6 +37,38 @@ from tests.pipeline_fixtures import (
 )
 
 GOOD = 14
+BAD = 7
+SAMPLES = 2
+COMPARED = ("completion_token_ids", "nfe", "steps", "error")
+
+
+class DiesOnceActor(GenerationActor):
+    """Kills its own process on its first batch of the job (once: a marker file remembers)."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        marker = Path(self.engine.job.output.path + ".died")
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os._exit(1)
+        return super().__call__(batch)
+
+
+class InterruptedActor(GenerationActor):
+    """Fails the job (an exception Ray does not retry) on its third batch, once the first
+    block (two batches: blocks hold at most 16 rows here) is on disk: the job dies half
+    written, whatever order the replica takes its blocks in."""
+
+    calls = 0
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.calls += 1
+        if self.calls == 3:
+            output = OutputDir(self.engine.job.output.path)
+            deadline = time.monotonic() + 120
+            while not output.part_files() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            raise RuntimeError("interrupted")
+        return super().__call__(batch)
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +83,58 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "model": make_tiny_sdar(root / "model"), "prompts": prompts_file}
 
 
-def _run(setup, name: str, temperature: float, replicas: int, batch_size: int, samples: int):
-    out = setup["root"] / name
-    job = parse_job(
+def _job(setup, name: str, temperature: float, replicas: int, batch_size: int) -> Job:
+    return parse_job(
         job_dict(
             setup["prompts"],
             setup["model"],
-            out,
-            decoding={"temperature": temperature, "samples_per_prompt": samples},
+            setup["root"] / name,
+            decoding={"temperature": temperature, "samples_per_prompt": SAMPLES},
             resources={"replicas": replicas, "batch_size": batch_size},
             cost={"usd_per_replica_hour": 3.6},
         )
     )
-    summary = run_job(job, echo=lambda line: None)
-    return out, summary
+
+
+def _unique(table: pa.Table) -> pa.Table:
+    """The output without the rows of the duplicated input id (their keys repeat)."""
+    return table.filter(pds.field("id") != "dup")
 
 
 @pytest.fixture(scope="module")
 def sampled_one_replica(local_ray, setup):  # noqa: F811
-    return _run(setup, "t08-r1-b8", 0.8, replicas=1, batch_size=8, samples=2)
+    """T=0.8, one replica, batches of 8."""
+    job = _job(setup, "t08-r1-b8", 0.8, replicas=1, batch_size=8)
+    return Path(job.output.path), run_job(job, echo=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def greedy_with_a_death(local_ray, setup):  # noqa: F811
+    """T=0, one replica, batches of 8, whose replica kills itself on its first batch; a
+    reader polls the output folder meanwhile. (job, summary, rows per part seen, failures)"""
+    job = _job(setup, "t0-r1-b8", 0.0, replicas=1, batch_size=8)
+    data = Path(job.output.path) / "data"
+    seen: dict[str, int] = {}
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            for path in data.glob("*.parquet") if data.exists() else []:
+                try:
+                    seen[path.name] = pq.read_table(path).num_rows
+                except Exception as error:
+                    failures.append(f"{path.name}: {error}")
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        summary = run_job(job, actor_class=DiesOnceActor, echo=lambda line: None)
+    finally:
+        stop.set()
+        thread.join()
+    return job, summary, seen, failures
 
 
 def test_output_rows_columns_and_errors(sampled_one_replica):
@@ -136,14 +211,79 @@ def test_output_is_readable_by_pyarrow_pandas_and_datasets(sampled_one_replica, 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_same_completions_whatever_replicas_and_batch_size(request, setup, temperature):
-    columns = ("completion_token_ids", "nfe", "steps", "error")
     if temperature == 0.8:
         one, _ = request.getfixturevalue("sampled_one_replica")
     else:
-        request.getfixturevalue("local_ray")
-        one, _ = _run(setup, "t0-r1-b8", temperature, 1, 8, samples=2)
-    two, _ = _run(setup, f"t{temperature}-r2-b3", temperature, 2, 3, samples=2)
-    a = by_key(read_output(one).filter(pds.field("id") != "dup"), *columns)
-    b = by_key(read_output(two).filter(pds.field("id") != "dup"), *columns)
+        job, _, _, _ = request.getfixturevalue("greedy_with_a_death")
+        one = Path(job.output.path)
+    two = _job(setup, f"t{temperature}-r2-b3", temperature, replicas=2, batch_size=3)
+    run_job(two, echo=lambda line: None)
+    a = by_key(_unique(read_output(one)), *COMPARED)
+    b = by_key(_unique(read_output(Path(two.output.path))), *COMPARED)
     assert a == b
-    assert len([v for v in a.values() if v[0] is not None]) == GOOD * 2
+    assert len([v for v in a.values() if v[0] is not None]) == GOOD * SAMPLES
+
+
+def test_a_replica_that_dies_is_restarted(greedy_with_a_death):
+    job, summary, _, _ = greedy_with_a_death
+    assert Path(job.output.path + ".died").exists()  # it did die
+    table = read_output(Path(job.output.path))
+    by_key(_unique(table))  # every key once
+    assert table.num_rows == (GOOD + BAD) * SAMPLES == summary["totals"]["rows"]
+
+
+def test_part_files_appear_whole(greedy_with_a_death):
+    """A reader polling the output folder during the run read every part it saw in full."""
+    _, summary, seen, failures = greedy_with_a_death
+    assert failures == []
+    assert sum(seen.values()) == summary["totals"]["rows"] and len(seen) >= 2
+
+
+def test_an_interrupted_job_resumes_without_duplicates(setup, sampled_one_replica):
+    """The job of `sampled_one_replica`, interrupted half way, then submitted again: every
+    row exactly once, and the same completions as the run that was never interrupted."""
+    job = _job(setup, "resume", 0.8, replicas=1, batch_size=8)
+    out = Path(job.output.path)
+    with pytest.raises(Exception, match="interrupted"):
+        run_job(job, actor_class=InterruptedActor, echo=lambda line: None)
+    first = read_output(out)
+    assert 0 < first.num_rows < (GOOD + BAD) * SAMPLES
+    kept = {p: os.path.getmtime(p) for p in OutputDir(str(out)).part_files()}
+    stale = out / "data" / ".part-left-by-a-killed-writer.parquet.partial"
+    stale.write_bytes(b"PAR1 half a file")
+
+    lines: list[str] = []
+    summary = run_job(job, echo=lines.append)
+    assert f"{first.num_rows} already written" in lines[0]
+    assert not stale.exists()
+    assert all(os.path.getmtime(p) == t for p, t in kept.items())  # old parts untouched
+    final = read_output(out)
+    counts = Counter(zip(final.column("id").to_pylist(), final.column("sample_index").to_pylist()))
+    assert {k: n for k, n in counts.items() if n != 1} == {("dup", s): 2 for s in range(SAMPLES)}
+    assert final.num_rows == (GOOD + BAD) * SAMPLES == summary["totals"]["rows"]
+    assert summary["runs"][-1]["rows_written"] == final.num_rows - first.num_rows
+    reference, _ = sampled_one_replica
+    assert by_key(_unique(final), *COMPARED) == by_key(_unique(read_output(reference)), *COMPARED)
+
+    again = run_job(job, echo=lambda line: None)  # nothing left: no Ray, nothing written
+    assert again["runs"][-1]["rows_written"] == 0 and read_output(out).num_rows == final.num_rows
+    assert [r["status"] for r in again["runs"]] == ["failed", "succeeded", "succeeded"]
+
+
+def test_a_write_that_dies_leaves_no_visible_file(tmp_path):
+    output = OutputDir(str(tmp_path))
+    table = pa.table({"id": ["a", "b"], "sample_index": [0, 0], "x": [1, 2]})
+
+    def dies_half_way(stream) -> None:
+        stream.write(b"PAR1" + b"\0" * 100)
+        raise OSError("killed")
+
+    with pytest.raises(OSError, match="killed"):
+        write_atomically(output.filesystem, f"{output.data}/part-x.parquet", dies_half_way)
+    assert output.part_files() == []
+    assert output.remove_partial_files() == 1
+
+    assert write_part(output, [table]) == 2
+    assert write_part(output, [table.slice(1), table.slice(0, 1)]) == 2  # a retried write
+    [part] = output.part_files()  # ... replaces its own file
+    assert pq.read_table(part).num_rows == 2
