@@ -104,3 +104,27 @@ def test_job_path_of_the_model_is_recorded(engine: Engine):
     out = engine.process(_batch(["m"], word_prompts(1))).to_pylist()[0]
     assert out["model"] == engine.job.model.path and out["drafter"] == "none"
     assert out["seed"] == engine.config.seed
+
+
+def test_a_drafter_changes_the_forwards_not_the_completions(engine: Engine, tmp_path):
+    """The engine with a SPOT drafter (an untrained order model: poor guesses, still
+    lossless) writes the draft-free completions, verifying more than one state per forward."""
+    from spot.drafters.order_model import OrderModel, OrderModelConfig
+    from spot.models.drafter_files import save_order_model
+
+    torch.manual_seed(0)
+    drafter_file = tmp_path / "spot.safetensors"
+    model = OrderModel(OrderModelConfig(d_model=32, num_layers=1, num_heads=4, ff_size=64))
+    save_order_model(drafter_file, model, "spot", {})
+    data = engine.job.model_dump()
+    data["drafter"] = {"kind": "spot", "path": str(drafter_file), "budget": 6}
+    drafted = Engine(parse_job(data))
+    assert drafted.drafter is not None and drafted.drafter_label.startswith("spot:")
+    batch = _batch([f"d{i}" for i in range(3)], word_prompts(3))
+    plain_rows = engine.process(batch).to_pylist()
+    drafted_rows = drafted.process(batch).to_pylist()
+    for plain, spec in zip(plain_rows, drafted_rows):
+        assert spec["completion_token_ids"] == plain["completion_token_ids"]
+        assert spec["steps"] == plain["steps"] and spec["nfe"] <= plain["nfe"]
+        assert spec["tree_nodes_verified"] > spec["nfe"] and spec["drafter_seconds"] > 0
+        assert spec["drafter"] == f"spot:{drafter_file}"
