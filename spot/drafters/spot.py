@@ -42,6 +42,8 @@ class _Growing:
     score: list[float]
     heap: list[tuple[float, int, int, tuple[int, ...]]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # model output per evaluated node
+    source: dict[int, int] = field(default_factory=dict)  # node -> evaluated node whose row it uses
 
 
 class BestFirstDrafter:
@@ -51,22 +53,36 @@ class BestFirstDrafter:
     rules: tuple[str, ...] = ()
     needs_hidden = False
 
-    def __init__(self, budget: int, per_round: int = 4, branching: int = 4):
+    def __init__(self, budget: int, per_round: int = 4, branching: int = 4, refresh: int = 1):
+        """refresh: evaluate the model on a node only every `refresh` levels below the last
+        evaluated one; nodes in between reuse that evaluation (over their remaining masked
+        positions), which trades drafting accuracy for fewer model calls per tree."""
         self.budget = budget
         self.per_round = per_round
         self.branching = branching
+        self.refresh = refresh
 
-    def _moves(self, frontier: list[tuple[_Growing, int]]) -> list[list[tuple[float, tuple]]]:
+    def _evaluate(self, frontier: list[tuple[_Growing, int]]) -> torch.Tensor:
+        """The model's output rows [len(frontier), B] for the frontier's nodes, one batch."""
         raise NotImplementedError
+
+    def _moves_from(self, g: _Growing, n: int, row: torch.Tensor) -> list[tuple[float, tuple]]:
+        """Moves (log-probability, positions committed next) of node n from a model row."""
+        raise NotImplementedError
+
+    def _push(self, g: _Growing, n: int, row: torch.Tensor) -> None:
+        for logp, positions in self._moves_from(g, n, row):
+            heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
 
     @torch.no_grad()
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         growing: list[_Growing | None] = [self._start(inp) for inp in inputs]
         frontier = [(g, 0) for g in growing if g is not None]
         while frontier:
-            for (g, n), moves in zip(frontier, self._moves(frontier)):
-                for logp, positions in moves:
-                    heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
+            for (g, n), row in zip(frontier, self._evaluate(frontier)):
+                g.rows[n] = row
+                g.source[n] = n
+                self._push(g, n, row)
             frontier = []
             for g in growing:
                 if g is None:
@@ -75,7 +91,13 @@ class BestFirstDrafter:
                     if len(g.nodes) - 1 >= self.budget or not g.heap:
                         break
                     node = self._expand(g)
-                    if self._in_stale_block(g, g.nodes[node]):
+                    if not self._in_stale_block(g, g.nodes[node]):
+                        continue
+                    evaluated = g.source[g.parent[node]]
+                    if g.nodes[node].step - g.nodes[evaluated].step < self.refresh:
+                        g.source[node] = evaluated
+                        self._push(g, node, g.rows[evaluated])
+                    else:
                         frontier.append((g, node))
         return [
             DraftTree.single(inp.root) if g is None else DraftTree(tuple(g.nodes), tuple(g.parent))
@@ -142,27 +164,35 @@ class SpotDrafter(BestFirstDrafter):
 
     rules = ("static",)
 
-    def __init__(self, model: OrderModel, budget: int, per_round: int = 4, branching: int = 4):
-        super().__init__(budget, per_round, branching)
+    def __init__(
+        self,
+        model: OrderModel,
+        budget: int,
+        per_round: int = 4,
+        branching: int = 4,
+        refresh: int = 1,
+    ):
+        super().__init__(budget, per_round, branching, refresh)
         self.model = model.eval()
         self.top_k = model.config.top_k
 
-    def _moves(self, frontier):
+    def _evaluate(self, frontier):
         feats, masks = zip(*(self._node_features(g, n, self.model.config) for g, n in frontier))
-        logp = torch.log_softmax(self.model(torch.cat(feats), torch.cat(masks)).float(), dim=-1)
-        out = []
-        for (g, n), row in zip(frontier, logp):
-            node = g.nodes[n]
-            layout = g.inp.layout
-            b = layout.block_length
-            k = max(1, layout.commit_count(node.block_start(b), node.block_step))
-            _, conf = g.inp.draw(node.step)
-            masked = (node.block(b) == layout.mask_id).nonzero().flatten().tolist()
-            by_conf = sorted(masked, key=lambda p: -float(conf[p]))
-            best = torch.topk(row, min(self.branching, len(masked)))
-            moves = []
-            for value, pos in zip(best.values.tolist(), best.indices.tolist()):
-                rest = [p for p in by_conf if p != pos][: k - 1]
-                moves.append((value, (pos, *rest)))
-            out.append(moves)
-        return out
+        return self.model(torch.cat(feats), torch.cat(masks)).float()
+
+    def _moves_from(self, g, n, row):
+        node = g.nodes[n]
+        layout = g.inp.layout
+        b = layout.block_length
+        masked = node.block(b) == layout.mask_id
+        logp = torch.log_softmax(row.masked_fill(~masked, float("-inf")), dim=-1)
+        k = max(1, layout.commit_count(node.block_start(b), node.block_step))
+        _, conf = g.inp.draw(node.step)
+        positions = masked.nonzero().flatten().tolist()
+        by_conf = sorted(positions, key=lambda p: -float(conf[p]))
+        best = torch.topk(logp, min(self.branching, len(positions)))
+        moves = []
+        for value, pos in zip(best.values.tolist(), best.indices.tolist()):
+            rest = [p for p in by_conf if p != pos][: k - 1]
+            moves.append((value, (pos, *rest)))
+        return moves

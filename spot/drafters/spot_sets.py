@@ -113,7 +113,7 @@ class SpotSetsDrafter(BestFirstDrafter):
         self.embed = embed
         self.top_k = model.config.top_k
 
-    def _moves(self, frontier):
+    def _evaluate(self, frontier):
         feats, masks, hidden, token_emb = [], [], [], []
         for g, n in frontier:
             f, m = self._node_features(g, n, self.model.config)
@@ -122,14 +122,13 @@ class SpotSetsDrafter(BestFirstDrafter):
             hidden.append(g.inp.stale_hidden[None].float())
             tokens, _ = g.inp.draw(g.nodes[n].step)
             token_emb.append(self.embed(tokens)[None].float())
-        logits = self.model(
+        return self.model(
             torch.cat(feats), torch.cat(hidden), torch.cat(token_emb), torch.cat(masks)
         )
-        cfg = self.model.config
-        return [
-            likely_sets(row, mask[0], self.branching, cfg.max_flips)
-            for row, mask in zip(logits, masks)
-        ]
+
+    def _moves_from(self, g, n, row):
+        masked = g.nodes[n].block(g.inp.layout.block_length) == g.inp.layout.mask_id
+        return likely_sets(row, masked, self.branching, self.model.config.max_flips)
 
 
 def set_log_likelihood(logits: torch.Tensor, label: torch.Tensor, masked: torch.Tensor):
