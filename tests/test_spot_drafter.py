@@ -44,12 +44,12 @@ def record(target, reqs, config):
     return rec.result(meta)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_untrained_order_model_changes_nothing(temperature):
+@pytest.mark.parametrize("temperature,refresh", [(0.0, 1), (0.8, 1), (0.0, 3), (0.8, 99)])
+def test_untrained_order_model_changes_nothing(temperature, refresh):
     target = ToyTarget(seed=3, sharpness=2.0)
     config = DecodingConfig(gen_length=24, block_length=8, temperature=temperature, seed=2)
     reqs = requests(4, seed=1)
-    drafter = SpotDrafter(OrderModel(SMALL), budget=6)
+    drafter = SpotDrafter(OrderModel(SMALL), budget=6, refresh=refresh)
     plain = generate(target, reqs, config)
     drafted = generate(target, reqs, config, drafter=drafter)
     assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
