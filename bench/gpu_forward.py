@@ -44,7 +44,7 @@ def random_target(family: str, config: TransformerConfig, dtype, device) -> Diff
     fam = family_for(family)
     with torch.device("meta"):
         model = fam.build(config)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device).to(dtype)  # never the float32 copy of 8B weights
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,7 +62,7 @@ def random_target(family: str, config: TransformerConfig, dtype, device) -> Diff
         "max_sequence_length": config.max_position_embeddings,
     }
     decoding = fam.decoding(raw, {}, ())
-    return DiffusionTarget(model.to(dtype).eval(), decoding)
+    return DiffusionTarget(model.eval(), decoding)
 
 
 def time_forward(

@@ -193,6 +193,8 @@ def corpus_projection(summary: dict[str, Any], corpus_tokens: float) -> str:
 # -- estimate a job before running it ---------------------------------------------------------
 @dataclass(frozen=True)
 class Measurement:
+    """One replica generating a sample here."""
+
     rates: ReplicaRates
     sample_rows: int  # output rows generated (input rows x samples per prompt)
     errors: int
