@@ -107,19 +107,17 @@ def cluster_sizes(configured: int, most_useful: int | None = None) -> list[int]:
     return sizes
 
 
-def format_projections(projections: Sequence[Projection], gpus_per_replica: float) -> str:
-    """A fixed-width table, one line per cluster size."""
-    unit = "GPUs" if gpus_per_replica else "replicas"
+def format_projections(projections: Sequence[Projection]) -> str:
+    """A fixed-width table, one line per cluster size (0 GPUs on a CPU cluster)."""
     header = (
-        f"{unit:>9}  {'replicas':>8}  {'wall h':>9}  {'replica-h':>10}  {'GPU-h':>9}  "
+        f"{'GPUs':>6}  {'replicas':>8}  {'wall h':>9}  {'replica-h':>10}  {'GPU-h':>9}  "
         f"{'cost USD':>11}  {'USD/1M tok':>10}"
     )
     lines = [header]
     for p in projections:
-        size = p.gpus if gpus_per_replica else p.replicas
         per_million = p.usd_per_million_tokens
         lines.append(
-            f"{size:>9g}  {p.replicas:>8}  {p.wall_hours:>9.3f}  {p.replica_hours:>10.3f}  "
+            f"{p.gpus:>6g}  {p.replicas:>8}  {p.wall_hours:>9.3f}  {p.replica_hours:>10.3f}  "
             f"{p.gpu_hours:>9.3f}  {p.cost_usd:>11.2f}  "
             f"{'-' if per_million is None else f'{per_million:.4f}':>10}"
         )
@@ -184,8 +182,11 @@ def corpus_projection(summary: dict[str, Any], corpus_tokens: float) -> str:
         [
             f"{corpus_tokens:,.0f} generated tokens at this job's measured rates "
             f"({rates.tokens_per_second:,.2f} tokens/s per replica, wall-time based):",
-            format_projections(projections, rates.gpus_per_replica),
-            "assumptions: " + "; ".join(ASSUMPTIONS[:3]),
+            format_projections(projections),
+            "assumptions: "
+            + "; ".join(
+                [*ASSUMPTIONS[:2], "the run's start-up and idle time are inside the measured rate"]
+            ),
         ]
     )
 
@@ -274,7 +275,7 @@ def estimate_report(job: Job, measurement: Measurement, input_rows: int) -> str:
         f"whole input: {input_rows:,} rows x {job.decoding.samples_per_prompt} samples = "
         f"{output_rows:,} rows, about {tokens:,.0f} generated tokens"
     )
-    lines.append(format_projections(projections, job.resources.num_gpus))
+    lines.append(format_projections(projections))
     lines.append(f"configured: {job.resources.replicas} replica(s), the first line")
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in ASSUMPTIONS]

@@ -118,8 +118,9 @@ def test_estimate_measures_one_replica_on_a_sample(job_file):
     assert measurement.nfe_per_row >= 1
     report = estimate_report(job, measurement, input_rows)
     assert f"{INPUT_ROWS} rows x 2 samples = {2 * INPUT_ROWS} rows" in report
-    table = [line.split() for line in report.splitlines() if line[:9].strip().isdigit()]
-    assert [int(line[0]) for line in table] == [2, 4, 8]  # 15 batches of work: 16 would idle
+    table = [line.split() for line in report.splitlines() if line[:6].strip().isdigit()]
+    assert {line[0] for line in table} == {"0"}  # a CPU job: no GPUs
+    assert [int(line[1]) for line in table] == [2, 4, 8]  # 15 batches of work: 16 would idle
     tokens = 2 * INPUT_ROWS * rates.tokens_per_row
     expected = project(rates, tokens, 2, 3.0)
     assert float(table[0][2]) == pytest.approx(expected.wall_hours, abs=1e-3)
