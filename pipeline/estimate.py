@@ -280,7 +280,10 @@ def estimate_report(job: Job, measurement: Measurement, input_rows: int) -> str:
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in ASSUMPTIONS]
     if not price:
-        lines.append("  - no price set (cost.usd_per_replica_hour / cost.usd_per_gpu_hour): $0")
+        lines.append(
+            "  - a replica-hour costs $0: set cost.usd_per_replica_hour, or "
+            "cost.usd_per_gpu_hour with resources.num_gpus"
+        )
     return "\n".join(lines)
 
 
