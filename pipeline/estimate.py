@@ -225,11 +225,17 @@ def sample_rows(job: Job, size: int, seed: int = 0) -> tuple[pa.Table, int]:
 
 
 def measure(job: Job, rows: pa.Table) -> Measurement:
-    """Build one replica's engine here and generate `rows` with it, as an actor would."""
+    """Build one replica's engine here and generate `rows` with it, as an actor would. A
+    GPU job on a machine without one runs on CPU; its rates stay priced as the job's GPUs."""
     import torch
 
     from pipeline.engine import Engine
 
+    gpus = job.resources.num_gpus
+    if gpus and not torch.cuda.is_available():
+        job = job.model_copy(
+            update={"resources": job.resources.model_copy(update={"num_gpus": 0.0})}
+        )
     torch.set_num_threads(max(1, round(job.resources.num_cpus)))
     start = time.perf_counter()
     engine = Engine(job)
@@ -244,7 +250,7 @@ def measure(job: Job, rows: pa.Table) -> Measurement:
         tokens_per_second=tokens / generating if generating > 0 else 0.0,
         tokens_per_row=tokens / out.num_rows if out.num_rows else 0.0,
         startup_seconds=startup,
-        gpus_per_replica=job.resources.num_gpus,
+        gpus_per_replica=gpus,
     )
     ok_rows = out.num_rows - errors
     return Measurement(rates, out.num_rows, errors, nfe / ok_rows if ok_rows else 0.0, generating)
@@ -269,7 +275,10 @@ def estimate_report(job: Job, measurement: Measurement, input_rows: int) -> str:
         *format_rates(rates, price),
     ]
     width = max(len(label) for label, _ in measured)
-    lines = [f"{job.name}: measured on this machine, one replica"]
+    import torch
+
+    device = "GPU" if job.resources.num_gpus and torch.cuda.is_available() else "CPU"
+    lines = [f"{job.name}: measured on this machine ({device}), one replica"]
     lines += [f"  {label:<{width}}  {value}" for label, value in measured]
     lines.append(
         f"whole input: {input_rows:,} rows x {job.decoding.samples_per_prompt} samples = "
@@ -279,6 +288,8 @@ def estimate_report(job: Job, measurement: Measurement, input_rows: int) -> str:
     lines.append(f"configured: {job.resources.replicas} replica(s), the first line")
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in ASSUMPTIONS]
+    if job.resources.num_gpus and device == "CPU":
+        lines.append("  - no GPU here: the rates are CPU rates, the hours those of CPU replicas")
     if not price:
         lines.append(
             "  - a replica-hour costs $0: set cost.usd_per_replica_hour, or "

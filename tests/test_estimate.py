@@ -133,3 +133,18 @@ def test_estimate_command(job_file):
     assert "whole input: 30 rows" in result.output and "assumptions:" in result.output
     bad = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "0"])
     assert bad.exit_code != 0 and "--sample" in bad.output
+
+
+def test_estimate_of_a_gpu_job_runs_on_cpu_here_and_prices_its_gpus(job_file):
+    job = load_job(
+        job_file, ["resources.num_gpus=1", "cost.usd_per_replica_hour=0", "cost.usd_per_gpu_hour=2"]
+    )
+    rows, input_rows = sample_rows(job, 2)
+    measurement = measure(job, rows)
+    assert measurement.errors == 0 and measurement.rates.gpus_per_replica == 1
+    report = estimate_report(job, measurement, input_rows)
+    assert "measured on this machine (CPU)" in report and "no GPU here" in report
+    table = [line.split() for line in report.splitlines() if line[:6].strip().isdigit()]
+    first = table[0]
+    assert first[:2] == ["2", "2"]  # 2 replicas of 1 GPU
+    assert float(first[5]) == pytest.approx(float(first[4]) * 2, abs=0.02)  # GPU-h x $2
