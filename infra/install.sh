@@ -3,7 +3,7 @@
 #   bash infra/install.sh PYTHON [SOURCE_DIR]
 # Installs torch first (TORCH_SPEC, default the pinned version; on Linux the PyPI wheel
 # carries CUDA), then the project with its dependencies (Ray with the dashboard and Jobs
-# API, DeepSpeed), then checks that everything imports and the CLI runs.
+# API, DeepSpeed), then checks that everything imports and the CLI's commands load.
 set -euo pipefail
 PYTHON=${1:?usage: install.sh PYTHON [SOURCE_DIR]}
 SOURCE=${2:-.}
@@ -18,5 +18,6 @@ from ray.job_submission import JobSubmissionClient  # Jobs API (ray[default])
 print(f"torch {torch.__version__} (cuda {torch.version.cuda}), ray {ray.__version__}, "
       f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}")
 PY
-"$(dirname "$PYTHON")/spot-pipeline" --help > /dev/null
-"$(dirname "$PYTHON")/spot-pipeline" validate "$SOURCE/jobs/synthetic.yaml"
+for command in submit validate estimate report; do
+  "$(dirname "$PYTHON")/spot-pipeline" "$command" --help > /dev/null
+done
