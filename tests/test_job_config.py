@@ -1,0 +1,203 @@
+"""The job schema: every shipped job validates, bad jobs are rejected naming the key,
+overrides are typed, and the decoding section converts to the core's DecodingConfig."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from pipeline.inputs import plan_input
+from pipeline.job import JobError, apply_overrides, load_job, parse_job
+from spot.config import DecodingConfig
+from tests.pipeline_fixtures import job_dict, make_tiny_sdar, write_prompts
+
+JOBS = sorted((Path(__file__).resolve().parents[1] / "jobs").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("job")
+    model = make_tiny_sdar(root / "model")
+    prompts = write_prompts(
+        root / "in" / "p.parquet",
+        {"id": ["a", "b", "a"], "prompt": ["12", "34", "56"], "completion": ["x", "y", "z"]},
+    )
+    return {"root": root, "model": model, "prompts": prompts}
+
+
+def _write(root: Path, data: dict, name: str = "job.yaml") -> Path:
+    path = root / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _problems(path: Path, overrides=()) -> list[str]:
+    with pytest.raises(JobError) as caught:
+        load_job(path, overrides)
+    return caught.value.problems
+
+
+@pytest.mark.parametrize("job_file", JOBS, ids=[p.name for p in JOBS])
+def test_every_shipped_job_validates(job_file: Path):
+    first_line = job_file.read_text().splitlines()[0]
+    assert first_line.startswith("# ") and "spot-pipeline submit" in first_line
+    job = load_job(job_file)
+    assert plan_input(job.input).num_rows > 0
+
+
+def test_shipped_jobs_exist():
+    assert [p.name for p in JOBS if p.name == "synthetic.yaml"] == ["synthetic.yaml"]
+
+
+def test_valid_job_round_trips(files):
+    data = job_dict(files["prompts"], files["model"], files["root"] / "out")
+    job = load_job(_write(files["root"], data))
+    assert job.decoding.gen_length == 16 and job.drafter.kind == "none"
+    assert parse_job(yaml.safe_load(job.to_yaml())) == job
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"decoding": {"block_lenght": 4}}, "decoding.block_lenght: unknown key"),
+        ({"resources": {"batch_size": "eight"}}, "resources.batch_size: "),
+        ({"decoding": {"temperature": -1}}, "decoding.temperature: "),
+        ({"decoding": {"block_length": 5}}, "decoding.block_length: must divide gen_length (16)"),
+        ({"decoding": {"tokens_per_step": 3}}, "decoding.tokens_per_step: must divide"),
+        ({"decoding": {"rule": "greedy"}}, "decoding.rule: "),
+        ({"model": {"dtype": "float16"}}, "model.dtype: "),
+        ({"model": {"tensor_parallel": 0}}, "model.tensor_parallel: "),
+        ({"drafter": {"kind": "medusa"}}, "drafter.kind: "),
+        ({"drafter": {"kind": "spot"}}, "drafter.path: required unless the target is bundled"),
+        ({"drafter": {"kind": "spot", "path": "/no/such.safetensors"}}, "drafter.path: no such"),
+        ({"drafter": {"budget": 0}}, "drafter.budget: "),
+    ],
+)
+def test_bad_values_name_their_key(files, change, expected):
+    data = job_dict(files["prompts"], files["model"], files["root"] / "out", **change)
+    problems = _problems(_write(files["root"], data))
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_unknown_top_level_key_is_named(files):
+    data = job_dict(files["prompts"], files["model"], files["root"] / "out")
+    data["colour"] = "blue"
+    assert _problems(_write(files["root"], data)) == ["colour: unknown key"]
+
+
+def test_missing_sections_and_paths_are_named(files):
+    data = job_dict(files["prompts"], files["model"], files["root"] / "out")
+    del data["input"]
+    assert "input: missing (required)" in _problems(_write(files["root"], data))
+
+    data = job_dict(files["root"] / "nowhere.parquet", files["model"], files["root"] / "out")
+    [problem] = _problems(_write(files["root"], data))
+    assert problem.startswith("input.path: no such file")
+
+    data = job_dict(files["prompts"], files["root"], files["root"] / "out")
+    [problem] = _problems(_write(files["root"], data))
+    assert problem.startswith("model.path: ") and "config.json" in problem
+
+
+def test_unknown_builtin_is_named(files):
+    data = job_dict("builtin:no-such-target", "builtin:no-such-target", files["root"] / "out")
+    problems = _problems(_write(files["root"], data))
+    assert any(
+        p.startswith("model.path: cannot resolve 'builtin:no-such-target'") for p in problems
+    )
+    assert any(p.startswith("input.path: cannot resolve") for p in problems)
+
+
+def test_chat_template_needs_a_template(files):
+    plain = files["root"] / "plain-model"
+    shutil.copytree(files["model"], plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    data = job_dict(files["prompts"], plain, files["root"] / "out")
+    [problem] = _problems(_write(files["root"], data))
+    assert problem.startswith("input.chat_template: ")
+    data["input"]["chat_template"] = False
+    assert load_job(_write(files["root"], data)).input.chat_template is False
+
+
+def test_overrides_are_yaml_scalars_and_checked(files):
+    path = _write(files["root"], job_dict(files["prompts"], files["model"], files["root"] / "o"))
+    job = load_job(
+        path,
+        [
+            "decoding.temperature=0.7",
+            "decoding.top_k=null",
+            "resources.replicas=2",
+            "input.chat_template=false",
+            "cost.usd_per_replica_hour=2.5",
+            "drafter.budget=auto",
+        ],
+    )
+    assert job.decoding.temperature == 0.7 and job.resources.replicas == 2
+    assert job.cost.usd_per_replica_hour == 2.5 and job.drafter.budget == "auto"
+    assert _problems(path, ["decoding.tempreature=0.5"]) == ["decoding.tempreature: unknown key"]
+    assert _problems(path, ["name.first=x"])[0].startswith("name: is 'test', not a section")
+    assert _problems(path, ["decoding"])[0].startswith("--set decoding: expected key.path=value")
+    assert _problems(path, ["decoding.seed=[1, 2]"])[0].startswith("decoding.seed: --set takes")
+
+
+def test_overrides_leave_the_original_untouched():
+    data = {"decoding": {"seed": 1}}
+    assert apply_overrides(data, ["decoding.seed=2"]) == {"decoding": {"seed": 2}}
+    assert data == {"decoding": {"seed": 1}}
+
+
+def test_decoding_section_converts_to_the_core_config(files):
+    data = job_dict(
+        files["prompts"],
+        files["model"],
+        files["root"] / "out",
+        decoding={"rule": "threshold", "threshold": 0.8, "temperature": 0.5, "top_p": 0.9},
+    )
+    job = load_job(_write(files["root"], data))
+    assert job.decoding_config() == DecodingConfig(
+        gen_length=16,
+        block_length=4,
+        rule="threshold",
+        threshold=0.8,
+        temperature=0.5,
+        top_p=0.9,
+        seed=1,
+    )
+
+
+def test_input_plan_checks_columns_and_finds_duplicates(files):
+    data = job_dict(files["prompts"], files["model"], files["root"] / "out")
+    job = load_job(_write(files["root"], data))
+    plan = plan_input(job.input)
+    assert plan.num_rows == 3 and plan.format == "parquet"
+    assert plan.duplicate_ids.to_pylist() == [{"key": "a", "count": 2}]
+    assert plan.renamed == {"id": "id", "prompt": "prompt", "completion": "input_completion"}
+
+    bad = job.input.model_copy(update={"prompt_column": "question"})
+    with pytest.raises(JobError) as caught:
+        plan_input(bad)
+    assert caught.value.problems[0].startswith("input.prompt_column: no column 'question'")
+
+
+def test_input_can_be_json_lines_or_a_glob(files):
+    root = files["root"] / "jsonl"
+    root.mkdir()
+    (root / "a.jsonl").write_text('{"key": 1, "text": "12"}\n{"key": 2, "text": "3"}\n')
+    (root / "b.jsonl").write_text('{"key": 3, "text": "45"}\n')
+    data = job_dict(root, files["model"], files["root"] / "out")
+    data["input"].update({"id_column": "key", "prompt_column": "text"})
+    plan = plan_input(load_job(_write(files["root"], data)).input)
+    assert plan.format == "json" and plan.num_rows == 3 and len(plan.files) == 2
+    data["input"]["path"] = str(root / "*.jsonl")
+    data["input"]["limit"] = 2
+    plan = plan_input(load_job(_write(files["root"], data)).input)
+    assert plan.num_rows == 2 and plan.limited.column("key").to_pylist() == [1, 2]
+    assert isinstance(plan.limited, pa.Table)
