@@ -93,7 +93,7 @@ def _math(numbers: tuple[int, ...], prompt: str, lines: list[str], result: int) 
 
 def _add(rng: random.Random) -> _Drawn:
     (n, p), item = _person(rng), rng.choice(ITEMS)
-    a, b = rng.randint(2, 40), rng.randint(2, 30)
+    a, b = rng.randint(2, 20), rng.randint(2, 15)
     verb = rng.choice(["finds", "buys", "gets", "is given"])
     prompt = (
         f"{n} has {a} {item}. {p.capitalize()} {verb} {b} more. How many {item} does {n} have now?"
@@ -104,7 +104,7 @@ def _add(rng: random.Random) -> _Drawn:
 def _sub(rng: random.Random) -> _Drawn:
     (n, _), item = _person(rng), rng.choice(ITEMS)
     m, _ = _person(rng, avoid=n)
-    a = rng.randint(5, 60)
+    a = rng.randint(5, 30)
     b = rng.randint(1, a - 1)
     prompt = f"{n} has {a} {item} and gives {b} to {m}. How many {item} does {n} have left?"
     return _math((a, b), prompt, [f"{n} has {a} - {b} = {a - b} {item} left."], a - b)
@@ -130,7 +130,7 @@ def _div(rng: random.Random) -> _Drawn:
 def _two_add(rng: random.Random) -> _Drawn:
     (n, _), item = _person(rng), rng.choice(ITEMS)
     m, _ = _person(rng, avoid=n)
-    a, b, d = rng.randint(2, 25), rng.randint(2, 25), rng.randint(2, 30)
+    a, b, d = rng.randint(2, 12), rng.randint(2, 12), rng.randint(2, 15)
     prompt = (
         f"{n} picks {a} {item} in the morning and {b} in the afternoon. "
         f"{m} picks {d}. How many {item} do they pick together?"
@@ -176,7 +176,7 @@ def _change(rng: random.Random) -> _Drawn:
 
 def _add_sub(rng: random.Random) -> _Drawn:
     (n, p), item = _person(rng), rng.choice(ITEMS)
-    a, b = rng.randint(2, 40), rng.randint(2, 20)
+    a, b = rng.randint(2, 20), rng.randint(2, 12)
     d = rng.randint(1, a + b - 1)
     prompt = (
         f"{n} had {a} {item}. {p.capitalize()} got {b} more and then lost {d}. "
@@ -192,7 +192,7 @@ def _add_sub(rng: random.Random) -> _Drawn:
 def _more_than(rng: random.Random) -> _Drawn:
     (n, _), item = _person(rng), rng.choice(ITEMS)
     m, _ = _person(rng, avoid=n)
-    a, b = rng.randint(2, 30), rng.randint(1, 20)
+    a, b = rng.randint(2, 15), rng.randint(1, 10)
     prompt = (
         f"{n} has {a} {item}. {m} has {b} more {item} than {n}. "
         f"How many {item} do they have together?"
@@ -228,7 +228,7 @@ def _per_day(rng: random.Random) -> _Drawn:
 
 def _three_days(rng: random.Random) -> _Drawn:
     (n, p) = _person(rng)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    a, b = rng.randint(2, 12), rng.randint(2, 12)
     prompt = (
         f"{n} reads {a} pages on Monday and {b} pages on Tuesday. On Wednesday {p} reads "
         f"twice as many pages as on Monday. How many pages does {p} read in total?"
@@ -281,7 +281,7 @@ def _garden(rng: random.Random) -> _Drawn:
 
 def _three_games(rng: random.Random) -> _Drawn:
     (n, p) = _person(rng)
-    a, b, d = rng.randint(1, 20), rng.randint(1, 20), rng.randint(1, 20)
+    a, b, d = rng.randint(1, 12), rng.randint(1, 12), rng.randint(1, 12)
     prompt = f"{n} scores {a}, {b} and {d} points in three games. How many points is that in total?"
     lines = [f"First two games: {a} + {b} = {a + b}.", f"Total: {a + b} + {d} = {a + b + d}."]
     return _math((a, b, d), prompt, lines, a + b + d)
@@ -290,7 +290,7 @@ def _three_games(rng: random.Random) -> _Drawn:
 def _difference(rng: random.Random) -> _Drawn:
     (n, _), item = _person(rng), rng.choice(ITEMS)
     m, _ = _person(rng, avoid=n)
-    a = rng.randint(5, 60)
+    a = rng.randint(5, 30)
     b = rng.randint(1, a - 1)
     prompt = f"{n} has {a} {item} and {m} has {b}. How many more {item} does {n} have than {m}?"
     return _math((a, b), prompt, [f"{n} has {a} - {b} = {a - b} more."], a - b)
@@ -524,6 +524,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def heldout_prompt_set(seed: int = 0, count: int = 400) -> list[Example]:
     """The bundled held-out prompt set: the first `count` held-out examples of `seed`'s
-    stream (all kinds, about three quarters maths)."""
-    stream = examples(seed, "heldout")
-    return [next(stream) for _ in range(count)]
+    stream with distinct problem keys (all kinds, about three quarters maths)."""
+    chosen: dict[str, Example] = {}
+    for item in examples(seed, "heldout"):
+        chosen.setdefault(item.key, item)
+        if len(chosen) == count:
+            return list(chosen.values())
+    raise AssertionError("unreachable: the stream is endless")

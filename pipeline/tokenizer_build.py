@@ -11,9 +11,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.corpus import examples
+from pipeline.corpus import examples, heldout_prompt_set, write_jsonl
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -104,7 +105,16 @@ def save_hf(tokenizer: Tokenizer, directory: Path, model_max_length: int = 512) 
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def build(directory: Path, seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
-    tokenizer = train_tokenizer(seed, vocab_size)
-    save_hf(tokenizer, directory)
-    return tokenizer
+BUILTIN = Path(__file__).resolve().parent.parent / "spot" / "builtin"
+
+
+@click.command("build-corpus")
+@click.option("--output", type=click.Path(path_type=Path), default=BUILTIN, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, show_default=True)
+@click.option("--heldout", type=int, default=400, show_default=True, help="held-out prompts")
+def build_corpus_command(output: Path, seed: int, vocab_size: int, heldout: int) -> None:
+    """Train the bundled tokenizer on the corpus and write the held-out prompt set."""
+    save_hf(train_tokenizer(seed, vocab_size), output / "tokenizer")
+    write_jsonl(output / "prompts" / "heldout.jsonl", heldout_prompt_set(seed, heldout))
+    click.echo(f"wrote {output / 'tokenizer'} and {output / 'prompts' / 'heldout.jsonl'}")

@@ -54,6 +54,9 @@ class Architecture(BaseModel):
     num_heads: int = Field(gt=0)
     num_kv_heads: int = Field(gt=0)
     rope_theta: float = 10000.0
+    tie_word_embeddings: bool = Field(
+        True, description="one matrix embeds tokens and scores them (copying is then cheap)"
+    )
 
 
 class TrainSpec(BaseModel):
@@ -311,6 +314,7 @@ def native_config(spec: TrainSpec, vocab_size: int) -> TransformerConfig:
         rope_theta=arch.rope_theta,
         rope_full_precision=family == "llada",
         qk_norm=family == "sdar",
+        tie_word_embeddings=arch.tie_word_embeddings,
         max_position_embeddings=spec.max_position_embeddings,
     )
 
