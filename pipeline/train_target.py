@@ -92,7 +92,7 @@ PRESETS: dict[str, TrainSpec] = {
         architecture=Architecture(
             hidden_size=192, intermediate_size=512, num_layers=5, num_heads=4, num_kv_heads=2
         ),
-        steps=1400,
+        steps=3000,
         batch_size=32,
     ),
     "sdar-nano": TrainSpec(
@@ -101,7 +101,7 @@ PRESETS: dict[str, TrainSpec] = {
         architecture=Architecture(
             hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2
         ),
-        steps=1400,
+        steps=2500,
         batch_size=32,
     ),
     "llada-tiny": TrainSpec(
@@ -110,7 +110,7 @@ PRESETS: dict[str, TrainSpec] = {
         architecture=Architecture(
             hidden_size=192, intermediate_size=512, num_layers=5, num_heads=4, num_kv_heads=2
         ),
-        steps=1400,
+        steps=2500,
         batch_size=32,
     ),
 }

@@ -44,6 +44,7 @@ class DraftGraph:
             "counts": list(self.counts),
             "meta": self.meta,
         }
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(body, indent=1))
 
     @classmethod

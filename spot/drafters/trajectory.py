@@ -52,6 +52,7 @@ class Trajectories:
         return self.masked.shape[1]
 
     def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         body = {name: getattr(self, name) for name in _FIELDS}
         torch.save(body | {"meta": self.meta, "hidden": self.hidden}, path)
 

@@ -18,6 +18,7 @@ _MODELS = {"spot": (OrderModel, OrderModelConfig), "spot-sets": (SetModel, SetMo
 def save_order_model(path: str | Path, model: OrderModel | SetModel, kind: str, meta: dict) -> None:
     header = {"kind": kind, "config": model.config.to_dict(), **meta}
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"spot": json.dumps(header)})
 
 
