@@ -2,12 +2,13 @@
 # Reproduces the bundled drafters in spot/builtin/drafters/ from the bundled targets:
 # record each target's own draft-free trajectories on corpus train prompts, then train SPOT
 # (static rule), calibrate Spiffy (static rule) and train SPOT-Sets (threshold rule).
-#   TARGETS="sdar-tiny" BLOCKS="32" bash scripts/train_bundled_drafters.sh
+#   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-pipeline
 WORK=${WORK:-build/drafters}
 PROMPTS=${PROMPTS:-300}
+EPOCHS=${EPOCHS:-6}
 GEN=${GEN:-64}
 mkdir -p "$WORK"
 for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
@@ -18,13 +19,13 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
     $CLI record-trajectories --model "builtin:$target" --out "$static" \
       --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS"
     $CLI train-drafter --kind spot --trajectories "$static" --model "builtin:$target" \
-      --out "$out/spot-b$block.safetensors"
+      --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS"
     $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 16
     threshold=$WORK/$target-b$block-threshold.pt
     $CLI record-trajectories --model "builtin:$target" --out "$threshold" --hidden \
       --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS" \
       --rule threshold --threshold 0.9
     $CLI train-drafter --kind spot-sets --trajectories "$threshold" --model "builtin:$target" \
-      --out "$out/spot-sets-b$block-threshold.safetensors"
+      --out "$out/spot-sets-b$block-threshold.safetensors" --epochs "$EPOCHS"
   done
 done
