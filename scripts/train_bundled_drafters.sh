@@ -3,6 +3,9 @@
 # record each target's own draft-free trajectories on corpus train prompts, then train SPOT
 # (static rule), calibrate Spiffy (static rule) and train SPOT-Sets (threshold rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
+# The shipped files were made with (one thread each, about 10 minutes per target and block):
+#   TARGETS=sdar-tiny BLOCKS=32 PROMPTS=1200 EPOCHS=2 bash scripts/train_bundled_drafters.sh
+#   EPOCHS=2 bash scripts/train_bundled_drafters.sh   # the other targets and blocks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-pipeline
