@@ -5,7 +5,7 @@
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 # The shipped files were made with (one thread each, about 10 minutes per target and block):
 #   TARGETS=sdar-tiny BLOCKS=32 PROMPTS=1200 EPOCHS=2 bash scripts/train_bundled_drafters.sh
-#   EPOCHS=2 bash scripts/train_bundled_drafters.sh   # the other targets and blocks
+#   TARGETS=<target> BLOCKS=<block> EPOCHS=2 bash ...   # each other target and block
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-pipeline
