@@ -99,27 +99,48 @@ def measure_forward_cost(
     return ForwardCost(tuple(states), tuple(seconds))
 
 
-def choose_budget(curve: AcceptanceCurve, cost: ForwardCost, batch_size: int) -> int:
-    """The budget with the most expected steps per second for `batch_size` requests."""
+def choose_budget(
+    curve: AcceptanceCurve, cost: ForwardCost, batch_size: int, seconds_per_node: float = 0.0
+) -> int:
+    """The budget with the most expected steps per second for `batch_size` requests; drafting
+    costs `seconds_per_node` per drafted node on top of the forward."""
     rate = {
-        d: s / cost(batch_size * (d + 1)) for d, s in zip(curve.budgets, curve.steps_per_forward)
+        d: s / (cost(batch_size * (d + 1)) + batch_size * d * seconds_per_node)
+        for d, s in zip(curve.budgets, curve.steps_per_forward)
     }
     return max(rate, key=lambda d: (rate[d], -d))
 
 
 class AutoBudget:
     """Wraps a drafter whose `budget` attribute sets its tree size (SPOT) and picks that
-    budget per batch from the acceptance curve and the measured forward cost."""
+    budget per batch size from the acceptance curve and the measured forward cost.
 
-    def __init__(self, drafter, curve: AcceptanceCurve, cost: ForwardCost):
+    The drafter's own time counts too: after `probe_calls` proposals at the first choice, its
+    median seconds per drafted node join the cost and the choice is made once more (so a
+    drafter slower than the forwards it saves ends at budget 0)."""
+
+    def __init__(self, drafter, curve: AcceptanceCurve, cost: ForwardCost, probe_calls: int = 4):
         self.drafter = drafter
         self.curve = curve
         self.cost = cost
+        self.probe_calls = probe_calls
         self.chosen: dict[int, int] = {}
+        self.probes: dict[int, list[float]] = {}  # batch size -> seconds per drafted node
+        self.settled: set[int] = set()
 
     def propose(self, inputs):
         n = len(inputs)
         if n not in self.chosen:
             self.chosen[n] = choose_budget(self.curve, self.cost, n)
-        self.drafter.budget = self.chosen[n]
-        return self.drafter.propose(inputs)
+        budget = self.chosen[n]
+        self.drafter.budget = budget
+        start = time.perf_counter()
+        trees = self.drafter.propose(inputs)
+        if budget and n not in self.settled:
+            probes = self.probes.setdefault(n, [])
+            probes.append((time.perf_counter() - start) / (n * budget))
+            if len(probes) == self.probe_calls:
+                per_node = sorted(probes)[len(probes) // 2]
+                self.chosen[n] = choose_budget(self.curve, self.cost, n, per_node)
+                self.settled.add(n)
+        return trees

@@ -1,5 +1,7 @@
 """The cost model behind `drafter.budget: auto`."""
 
+import time
+
 import torch
 
 from spot.budget import (
@@ -55,3 +57,22 @@ def test_measured_cost_on_a_target_and_auto_budget():
     assert auto.propose([None]) == [7]
     auto = AutoBudget(Recorder(), curve, ForwardCost((1, 64), (1.0, 64.0)))
     assert auto.propose([None, None]) == [0]
+
+
+def test_auto_budget_counts_the_drafters_own_time():
+    class SlowDrafter:
+        budget = 99
+
+        def __init__(self, seconds_per_node: float):
+            self.seconds_per_node = seconds_per_node
+
+        def propose(self, inputs):
+            time.sleep(self.seconds_per_node * self.budget * len(inputs))
+            return [self.budget]
+
+    curve = AcceptanceCurve((0, 1, 3, 7), (1.0, 1.8, 2.6, 3.2))
+    free_forwards = ForwardCost((1, 64), (0.01, 0.01))
+    auto = AutoBudget(SlowDrafter(0.0), curve, free_forwards, probe_calls=2)
+    assert [auto.propose([None])[0] for _ in range(3)] == [7, 7, 7]
+    auto = AutoBudget(SlowDrafter(0.01), curve, free_forwards, probe_calls=2)
+    assert [auto.propose([None])[0] for _ in range(3)] == [7, 7, 0]
