@@ -15,6 +15,7 @@ import click
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.corpus import examples, heldout_prompt_set, write_jsonl
+from spot.builtin import builtin_root
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -105,11 +106,10 @@ def save_hf(tokenizer: Tokenizer, directory: Path, model_max_length: int = 512) 
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-BUILTIN = Path(__file__).resolve().parent.parent / "spot" / "builtin"
-
-
 @click.command("build-corpus")
-@click.option("--output", type=click.Path(path_type=Path), default=BUILTIN, show_default=True)
+@click.option(
+    "--output", type=click.Path(path_type=Path), default=builtin_root(), show_default=True
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, show_default=True)
 @click.option("--heldout", type=int, default=400, show_default=True, help="held-out prompts")

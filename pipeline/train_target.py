@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from pipeline.corpus import examples
 from pipeline.tokenizer_build import EOS, IM_END, MASK, chat_prompt
-from spot.builtin import resolve_builtin
+from spot.builtin import builtin_root, resolve_builtin
 from spot.models.loading import save_checkpoint as save_checkpoint_files
 from spot.models.registry import family_for
 from spot.models.transformer import Transformer, TransformerConfig
@@ -496,6 +496,6 @@ def train_target_command(
     overrides = {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v}
     spec = PRESETS[name].model_copy(update=overrides)
     if output is None:
-        output = Path(__file__).resolve().parent.parent / "spot" / "builtin" / "targets" / name
+        output = builtin_root() / "targets" / name
     path = train(spec, output, log_path=log_path, threads=threads)
     click.echo(f"saved {spec.name} to {path}")

@@ -9,6 +9,7 @@ legal outcome.
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,7 +127,6 @@ class AutoBudget:
         self.probe_calls = probe_calls
         self.chosen: dict[int, int] = {}
         self.probes: dict[int, list[float]] = {}  # batch size -> seconds per drafted node
-        self.settled: set[int] = set()
 
     def propose(self, inputs):
         n = len(inputs)
@@ -136,11 +136,10 @@ class AutoBudget:
         self.drafter.budget = budget
         start = time.perf_counter()
         trees = self.drafter.propose(inputs)
-        if budget and n not in self.settled:
-            probes = self.probes.setdefault(n, [])
+        probes = self.probes.setdefault(n, [])
+        if budget and len(probes) < self.probe_calls:
             probes.append((time.perf_counter() - start) / (n * budget))
             if len(probes) == self.probe_calls:
-                per_node = sorted(probes)[len(probes) // 2]
+                per_node = statistics.median(probes)
                 self.chosen[n] = choose_budget(self.curve, self.cost, n, per_node)
-                self.settled.add(n)
         return trees

@@ -13,7 +13,8 @@ PREFIX = "builtin:"
 _KINDS = ("targets", "prompts", "tokenizer", "drafters")
 
 
-def _root() -> Path:
+def builtin_root() -> Path:
+    """The folder of the bundled files (tokenizer, prompts, targets, drafters)."""
     return Path(str(resources.files(__package__)))
 
 
@@ -25,7 +26,7 @@ def resolve_builtin(name: str) -> Path:
     is accepted. Raises FileNotFoundError naming what is available.
     """
     name = name.removeprefix(PREFIX).strip("/")
-    root = _root()
+    root = builtin_root()
     candidates = [root / name] if name.split("/")[0] in _KINDS else [root / "targets" / name]
     for path in candidates:
         if path.exists():
@@ -37,7 +38,7 @@ def resolve_builtin(name: str) -> Path:
 
 def builtin_targets() -> list[str]:
     """Names of the bundled target checkpoints."""
-    targets = _root() / "targets"
+    targets = builtin_root() / "targets"
     if not targets.is_dir():
         return []
     return sorted(p.name for p in targets.iterdir() if (p / "config.json").is_file())
@@ -59,7 +60,7 @@ def drafter_file_name(kind: str, block_length: int, rule: str = "static") -> str
 def builtin_drafter(target: str, kind: str, block_length: int, rule: str = "static") -> Path:
     """The bundled drafter of `kind` for a bundled target, its block length and rule."""
     target = target.removeprefix(PREFIX)
-    path = _root() / "drafters" / target / drafter_file_name(kind, block_length, rule)
+    path = builtin_root() / "drafters" / target / drafter_file_name(kind, block_length, rule)
     if not path.is_file():
         have = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else []
         raise FileNotFoundError(
