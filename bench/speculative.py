@@ -8,7 +8,8 @@ budget (NFE-optimal) and with `auto` (throughput-optimal from the measured forwa
 a perfect order oracle (true next positions, tokens drafted from the stale logits like SPOT)
 with the same budget, to show what order prediction alone could reach; transfer rows (a
 drafter trained on another bundled target, unchanged). With --rule threshold: threshold alone,
-threshold + SPOT-Sets, and standard 1-token decoding as the baseline.
+threshold + Spiffy (its graph calibrated on threshold trajectories), threshold + SPOT-Sets, and
+standard 1-token decoding as the baseline.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def bench_target(name: str, args) -> None:
         [1, 2, 4, 8, 16, 32, args.batch_size * (args.budget + 1)],
     )
     sources = [name] + ([args.transfer_from] if args.transfer_from not in (None, name) else [])
-    kinds = ["spiffy", "spot"] if args.rule == "static" else ["spot-sets"]
+    kinds = ["spiffy", "spot"] if args.rule == "static" else ["spiffy", "spot-sets"]
     for source in sources:
         for kind in kinds:
             path = builtin_drafter(source, kind, args.block_length, args.rule)

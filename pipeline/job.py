@@ -9,6 +9,7 @@ The validated object is passed down as is; nothing downstream reads raw dicts.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +29,7 @@ from spot.config import DecodingConfig
 BUILTIN_PREFIX = "builtin:"
 # which commit rules each drafter kind drafts for
 DRAFTER_RULES = {
-    "spiffy": ("static",),
+    "spiffy": ("static", "threshold"),
     "spot": ("static",),
     "spot-sets": ("threshold", "sdar_dynamic"),
 }
@@ -266,7 +267,7 @@ class Job(_Section):
                 "drafter.budget: auto needs an acceptance curve, which spot and spot-sets "
                 "checkpoints store; give spiffy a number (its draft-graph size)"
             )
-        if kind == "spiffy" and self.decoding.tokens_per_step != 1:
+        if kind == "spiffy" and rule == "static" and self.decoding.tokens_per_step != 1:
             raise ValueError("drafter.kind: spiffy drafts one token per step (tokens_per_step: 1)")
         return self
 
@@ -382,8 +383,12 @@ def _format_validation_error(error: ValidationError) -> list[str]:
             message = "unknown key"
         elif "input" in item and item["type"] not in ("value_error",):
             message = f"{message} (got {item['input']!r})"
-        problems.append(f"{path}: {message}")
+        names_its_key = not item["loc"] and _KEY_PREFIX.match(message)
+        problems.append(message if names_its_key else f"{path}: {message}")
     return problems
+
+
+_KEY_PREFIX = re.compile(r"[a-z_]+(\.[a-z_]+)+: ")  # job-level checks that name the key
 
 
 def parse_job(data: Any) -> Job:

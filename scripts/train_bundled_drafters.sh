@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduces the bundled drafters in spot/builtin/drafters/ from the bundled targets:
 # record each target's own draft-free trajectories on corpus train prompts, then train SPOT
-# (static rule), calibrate Spiffy (static rule) and train SPOT-Sets (threshold rule).
+# (static rule), calibrate Spiffy (static and threshold rules) and train SPOT-Sets (threshold
+# rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 # The shipped files were made with (one thread each, about 10 minutes per target and block):
 #   TARGETS=sdar-tiny BLOCKS=32 PROMPTS=1200 EPOCHS=2 bash scripts/train_bundled_drafters.sh
@@ -28,6 +29,8 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
     $CLI record-trajectories --model "builtin:$target" --out "$threshold" --hidden \
       --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS" \
       --rule threshold --threshold 0.9
+    $CLI calibrate-spiffy --trajectories "$threshold" --budget 16 \
+      --out "$out/spiffy-b$block-threshold.json"
     $CLI train-drafter --kind spot-sets --trajectories "$threshold" --model "builtin:$target" \
       --out "$out/spot-sets-b$block-threshold.safetensors" --epochs "$EPOCHS"
   done

@@ -1,6 +1,7 @@
-"""The shipped drafters: each bundled target has SPOT and Spiffy (static rule) and SPOT-Sets
-(threshold rule) for block lengths 16 and 32, and every one of them leaves the target's own
-decoding unchanged on held-out prompts, at T=0 and T=0.8 (float32, batched)."""
+"""The shipped drafters: each bundled target has SPOT (static rule), Spiffy (static and
+threshold rules) and SPOT-Sets (threshold rule) for block lengths 16 and 32, and every one of
+them leaves the target's own decoding unchanged on held-out prompts, at T=0 and T=0.8 (float32,
+batched)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from spot.decode import generate
 from spot.models.drafter_files import load_drafter
 
 TARGETS = ("sdar-tiny", "sdar-nano", "llada-tiny")
-DRAFTERS = (("spot", "static"), ("spiffy", "static"), ("spot-sets", "threshold"))
+DRAFTERS = (
+    ("spot", "static"),
+    ("spiffy", "static"),
+    ("spiffy", "threshold"),
+    ("spot-sets", "threshold"),
+)
 PROMPTS = 3
 
 

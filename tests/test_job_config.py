@@ -76,6 +76,16 @@ def test_valid_job_round_trips(files):
         ({"drafter": {"kind": "spot"}}, "drafter.path: required unless the target is bundled"),
         ({"drafter": {"kind": "spot", "path": "/no/such.safetensors"}}, "drafter.path: no such"),
         ({"drafter": {"budget": 0}}, "drafter.budget: "),
+        ({"drafter": {"kind": "spot-sets"}}, "drafter.kind: spot-sets drafts for the threshold"),
+        (
+            {"drafter": {"kind": "spot"}, "decoding": {"rule": "threshold"}},
+            "drafter.kind: spot drafts for the static rule, not decoding.rule 'threshold'; "
+            "use drafter.kind spiffy or spot-sets",
+        ),
+        (
+            {"drafter": {"kind": "spiffy", "budget": 8}, "decoding": {"tokens_per_step": 2}},
+            "drafter.kind: spiffy drafts one token per step",
+        ),
     ],
 )
 def test_bad_values_name_their_key(files, change, expected):

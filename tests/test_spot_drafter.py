@@ -36,6 +36,8 @@ def record(target, reqs, config):
     generate(target, reqs, config, trace=rec)
     meta = {
         "steps_per_block": config.steps_per_block,
+        "rule": config.rule,
+        "threshold": config.threshold,
         "temperature": config.temperature,
         "seed": config.seed,
         "confidence": target.confidence,
@@ -120,3 +122,80 @@ def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
         [3, 11, 5, 6],  # then rank 0 of what is left: position 0
     ]
     assert tree.parent == (-1, 0, 0, 1)
+
+
+def _threshold_input(root_block, stale_logits, threshold):
+    from spot.decode import DraftInput
+    from spot.tree import Layout, State
+
+    layout = Layout.for_prompt(4, 4, 4, 4, False, 11, (10,))
+    stale = State(4, torch.tensor([11, 11, 11, 11]), 0, 0)
+    root = State(4, torch.tensor(root_block), 1, 1)
+    config = DecodingConfig(4, 4, rule="threshold", threshold=threshold)
+    return DraftInput(layout, root, stale, stale_logits, None, 0, config, "untempered")
+
+
+def test_threshold_spiffy_drafts_the_stale_thresholded_set_and_its_resizings():
+    # stale confidences of the argmax tokens 3, 4, 5, 6: ~0.9995, ~0.198, ~0.996, ~0.402
+    logits = torch.zeros(4, 12)
+    logits[0, 3], logits[1, 4], logits[2, 5], logits[3, 6] = 10.0, 1.0, 8.0, 2.0
+    inp = _threshold_input([11, 11, 11, 11], logits, threshold=0.9)
+    paths = (((0, 0),), ((1, 0),), ((-1, 0),), ((0, 0), (0, 0)), ((-2, 0),))
+    graph = DraftGraph(paths, (9, 5, 4, 3, 1), {"rule": "threshold"})
+    tree = SpiffyDrafter(graph).propose([inp])[0]
+    assert [n.block(4).tolist() for n in tree.nodes] == [
+        [11, 11, 11, 11],
+        [3, 11, 5, 11],  # the thresholded set {0, 2}
+        [3, 11, 5, 6],  # one more: the next most confident, position 3
+        [3, 11, 11, 11],  # one fewer: position 0 alone
+        [3, 11, 5, 6],  # then nothing passes 0.9: the most confident, position 3
+    ]  # (-2, 0) would commit nothing: not a node
+    assert tree.parent == (-1, 0, 0, 0, 1)
+    with pytest.raises(ValueError, match="calibrated for the static rule"):
+        SpiffyDrafter(DraftGraph(paths[:1], (1,), {"rule": "static"})).propose([inp])
+
+
+def test_threshold_spiffy_calibration_of_a_hand_written_trajectory():
+    # one block of 4: the target commits {0}, then {1, 2}, then {3}
+    probs = torch.zeros(3, 4, 2, dtype=torch.float16)
+    ids = torch.zeros(3, 4, 2, dtype=torch.int32)
+    probs[0, :, 0] = torch.tensor([0.99, 0.95, 0.5, 0.3])
+    ids[0, :, 0] = torch.tensor([3, 4, 5, 6])
+    probs[1, :, 0] = torch.tensor([0.0, 0.6, 0.7, 0.97])
+    ids[1, :, 0] = torch.tensor([0, 4, 5, 6])
+    masked = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
+    committed = torch.tensor([[1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    tokens = torch.tensor([[3, -1, -1, -1], [-1, 4, 5, -1], [-1, -1, -1, 6]], dtype=torch.int32)
+    traj = Trajectories(
+        probs,
+        ids,
+        masked,
+        committed,
+        tokens,
+        segment=torch.zeros(3, dtype=torch.int32),
+        block_step=torch.arange(3, dtype=torch.int32),
+        step=torch.arange(3),
+        key=torch.zeros(3, dtype=torch.int64),
+        meta={"rule": "threshold", "threshold": 0.9},
+    )
+    graph = calibrate(traj, budget=3)
+    # from record 0: {1, 2} is the stale thresholded set {1} grown by one, then {3} is the
+    # thresholded set (nothing passes: the most confident); from record 1: {3} passes
+    assert graph.paths == (((0, 0),), ((1, 0),), ((1, 0), (0, 0)))
+    assert graph.counts == (1, 1, 1)
+    assert graph.meta["rule"] == "threshold"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_threshold_spiffy_calibrates_and_changes_nothing(temperature):
+    target = ToyTarget(seed=3, sharpness=4.0)
+    config = DecodingConfig(
+        gen_length=32, block_length=8, rule="threshold", threshold=0.7, temperature=temperature
+    )
+    graph = calibrate(record(target, requests(16, seed=5), config), budget=8, max_depth=4)
+    assert graph.paths and graph.meta["rule"] == "threshold"
+    reqs = requests(6, seed=9, offset=100)
+    plain = generate(target, reqs, config)
+    drafted = generate(target, reqs, config, drafter=SpiffyDrafter(graph))
+    assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+    assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)

@@ -1,14 +1,18 @@
 """Spiffy (arXiv 2509.18085), the auto-speculative baseline: drafts from the target's own
 stale distribution, shaped by a draft graph calibrated offline.
 
-A draft step is a *formula* (i, j): commit the i-th most confident masked position of the
-current hypothesis (confidence from the stale distribution) with its j-th ranked token (j=0 is
-the token the coupled noise picks, the argmax at T=0). A node of the draft graph is a sequence
-of formulas from the root. Calibration counts, over traced draft-free trajectories, how often
-each formula sequence reproduces the target's own next steps (every trajectory step adds one
-to each prefix it passes through) and keeps the `budget` most frequent prefixes. Optional
-dynamic pruning keeps, per request, only the nodes whose drafted tokens have the highest
-geometric-mean stale probability.
+A draft step is a *formula* (i, j). Static rule (one token per step): commit the i-th most
+confident masked position of the current hypothesis (confidence from the stale distribution)
+with its j-th ranked token (j=0 is the token the coupled noise picks, the argmax at T=0).
+Threshold rule (our extension of the same idea to commit sets): apply the rule to the stale
+confidences, then commit the c + i most confident masked positions, where c is the size of the
+set the rule picks (i = 0 is the stale thresholded set; negative or positive i shrinks or
+grows it); j is always 0. A node of the draft graph is a sequence of formulas from the root.
+Calibration counts, over traced draft-free trajectories, how often each formula sequence
+reproduces the target's own next steps (every trajectory step adds one to each prefix it
+passes through) and keeps the `budget` most frequent prefixes. Optional dynamic pruning keeps,
+per request, only the nodes whose drafted tokens have the highest geometric-mean stale
+probability.
 """
 
 from __future__ import annotations
@@ -63,9 +67,35 @@ def _position_ranks(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Ten
     return order[: int(masked.sum())]
 
 
+def _threshold_count(confidence: torch.Tensor, ranks: torch.Tensor, threshold: float) -> int:
+    """Size of the set the threshold rule picks from these confidences (at least one)."""
+    return max(1, int((confidence.double()[ranks] >= threshold).sum()))
+
+
+def _formula(traj: Trajectories, r: int, h: int, rule: str, threshold: float) -> Formula | None:
+    """The formula that drafts transition h from record r's stale distribution, if any."""
+    committed = traj.committed[h].nonzero().flatten()
+    confidence = traj.top_probs[r, :, 0]
+    ranks = _position_ranks(confidence, traj.masked[h])
+    if rule == "static":
+        pos = int(committed[0])
+        hits = (traj.top_ids[r, pos] == traj.tokens[h, pos]).nonzero()
+        return (ranks.tolist().index(pos), int(hits[0])) if hits.numel() else None
+    size = committed.numel()
+    drafted = ranks[:size]
+    if set(drafted.tolist()) != set(committed.tolist()):
+        return None
+    if not bool((traj.top_ids[r, drafted, 0] == traj.tokens[h, drafted]).all()):
+        return None
+    return (size - _threshold_count(confidence, ranks, threshold), 0)
+
+
 def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph:
     """The `budget` formula paths that most often reproduce the target's own next steps."""
-    if int(traj.committed.sum(dim=1).max()) > 1:
+    rule, threshold = traj.meta.get("rule", "static"), float(traj.meta.get("threshold", 1.0))
+    if rule not in ("static", "threshold"):
+        raise ValueError(f"Spiffy formulas describe the static and threshold rules, not {rule!r}")
+    if rule == "static" and int(traj.committed.sum(dim=1).max()) > 1:
         raise ValueError("Spiffy formulas describe one commit per step (tokens_per_step: 1)")
     counts: Counter[Path_] = Counter()
     n = traj.segment.numel()
@@ -75,12 +105,10 @@ def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph
             h = r + d
             if h >= n or traj.segment[h] != traj.segment[r] or not traj.committed[h].any():
                 break
-            pos = int(traj.committed[h].nonzero()[0])
-            ranks = _position_ranks(traj.top_probs[r, :, 0], traj.masked[h]).tolist()
-            hits = (traj.top_ids[r, pos] == traj.tokens[h, pos]).nonzero()
-            if not hits.numel():
+            formula = _formula(traj, r, h, rule, threshold)
+            if formula is None:
                 break
-            path.append((ranks.index(pos), int(hits[0])))
+            path.append(formula)
             counts[tuple(path)] += 1
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[:budget]
     ranked.sort(key=lambda kv: (len(kv[0]), -kv[1], kv[0]))  # parents before children
@@ -98,21 +126,30 @@ class SpiffyDrafter:
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         return [self._tree(inp) for inp in inputs]
 
+    @property
+    def rule(self) -> str:
+        return self.graph.meta.get("rule", "static")
+
     def _tree(self, inp: DraftInput) -> DraftTree:
         layout = inp.layout
         b = layout.block_length
         root = inp.root
         if root.done or root.block_start(b) != inp.stale_state.block_start(b):
             return DraftTree.single(root)
-        if inp.config.rule != "static" or inp.config.tokens_per_step != 1:
-            raise ValueError("the Spiffy drafter serves the static rule with 1 token per step")
+        config = inp.config
+        if config.rule != self.rule or (config.rule == "static" and config.tokens_per_step != 1):
+            raise ValueError(
+                f"this Spiffy draft graph was calibrated for the {self.rule} rule"
+                + (" with 1 token per step" if self.rule == "static" else "")
+                + f", not {config.rule} with {config.tokens_per_step} token(s) per step"
+            )
         stale_probs = torch.softmax(inp.stale_logits.double(), dim=-1)
         ranked_tokens = torch.sort(stale_probs, dim=-1, descending=True, stable=True).indices
         index: dict[Path_, int] = {(): 0}
         nodes: list[State] = [root]
         parent = [-1]
         log_prob = [0.0]
-        depth = [0]
+        drafted = [0]  # tokens drafted from the root
         for path in self.graph.paths:
             up = index.get(path[:-1])
             if up is None or nodes[up].done or nodes[up].block_start(b) != root.block_start(b):
@@ -122,28 +159,36 @@ class SpiffyDrafter:
             tokens, conf = inp.draw(node.step)
             i, j = path[-1]
             ranks = _position_ranks(conf, block == layout.mask_id)
-            if i >= ranks.numel():
-                continue
-            pos = int(ranks[i])
-            token = tokens[pos]
-            if j > 0:  # the j-th ranked stale token other than the drawn one
-                token = ranked_tokens[pos][ranked_tokens[pos] != token][j - 1]
+            if self.rule == "static":
+                if i >= ranks.numel():
+                    continue
+                positions = ranks[i : i + 1]
+                if j > 0:  # the j-th ranked stale token other than the drawn one
+                    pos = int(positions[0])
+                    tokens = tokens.clone()
+                    tokens[pos] = ranked_tokens[pos][ranked_tokens[pos] != tokens[pos]][j - 1]
+            else:
+                size = _threshold_count(conf, ranks, config.threshold) + i
+                if not 1 <= size <= ranks.numel():
+                    continue
+                positions = ranks[:size]
             child_block = block.clone()
-            child_block[pos] = token
+            child_block[positions] = tokens[positions]
             index[path] = len(nodes)
             nodes.append(advance(layout, node, child_block))
             parent.append(up)
-            log_prob.append(log_prob[up] + float(stale_probs[pos, token].clamp_min(1e-30).log()))
-            depth.append(depth[up] + 1)
+            chosen = stale_probs[positions, tokens[positions]].clamp_min(1e-30).log().sum()
+            log_prob.append(log_prob[up] + float(chosen))
+            drafted.append(drafted[up] + positions.numel())
         if self.keep is not None and len(nodes) - 1 > self.keep:
-            nodes, parent = _prune(nodes, parent, log_prob, depth, self.keep)
+            nodes, parent = _prune(nodes, parent, log_prob, drafted, self.keep)
         return DraftTree(tuple(nodes), tuple(parent))
 
 
-def _prune(nodes, parent, log_prob, depth, keep):
+def _prune(nodes, parent, log_prob, drafted, keep):
     """Keep the `keep` drafted nodes of highest geometric-mean token probability whose
     ancestors are kept too (a pruned node takes its subtree with it)."""
-    order = sorted(range(1, len(nodes)), key=lambda n: -log_prob[n] / depth[n])
+    order = sorted(range(1, len(nodes)), key=lambda n: -log_prob[n] / drafted[n])
     kept = {0}
     for n in order:
         if len(kept) > keep:
