@@ -92,7 +92,7 @@ PRESETS: dict[str, TrainSpec] = {
         architecture=Architecture(
             hidden_size=192, intermediate_size=512, num_layers=5, num_heads=4, num_kv_heads=2
         ),
-        steps=3000,
+        steps=6000,
         batch_size=32,
     ),
     "sdar-nano": TrainSpec(

@@ -4,9 +4,10 @@
 # (static rule), calibrate Spiffy (static and threshold rules) and train SPOT-Sets (threshold
 # rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
-# The shipped files were made with (one thread each, about 10 minutes per target and block):
-#   TARGETS=sdar-tiny BLOCKS=32 PROMPTS=1200 EPOCHS=2 bash scripts/train_bundled_drafters.sh
-#   TARGETS=<target> BLOCKS=<block> EPOCHS=2 bash ...   # each other target and block
+# The shipped files were made with (one thread each, a few minutes per target and block):
+#   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=200 EPOCHS=2 bash scripts/train_bundled_drafters.sh
+#   TARGETS="sdar-nano llada-tiny" BLOCKS="16 32" PROMPTS=150 EPOCHS=2 bash ...
+# except llada-tiny's block-16 SPOT-Sets, trained on 800 prompts' threshold trajectories.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-pipeline

@@ -74,6 +74,17 @@ def _never_mask(scores: torch.Tensor, mask_id: int | None) -> torch.Tensor:
     return scores
 
 
+def confidence_rank(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Rank [N, B] of each masked position by descending confidence, lower index first on
+    ties (the order every commit rule takes positions in); unmasked positions rank last."""
+    score = confidence.masked_fill(~masked, float("-inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    return rank.scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
+
+
 def select_commits(
     confidence: torch.Tensor,
     masked: torch.Tensor,
@@ -87,9 +98,7 @@ def select_commits(
     Returns [N, B] bool, always a subset of `masked`, never empty where anything is masked.
     """
     score = confidence.masked_fill(~masked, float("-inf"))
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    rank = confidence_rank(confidence, masked)
     num_masked = masked.sum(dim=-1)
     if rule == "static":
         count = torch.minimum(k, num_masked)

@@ -199,3 +199,38 @@ def test_threshold_spiffy_calibrates_and_changes_nothing(temperature):
     drafted = generate(target, reqs, config, drafter=SpiffyDrafter(graph))
     assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
+
+
+@pytest.mark.parametrize("refresh", [1, 4, 99])
+def test_trees_fill_the_budget_whatever_the_refresh(refresh):
+    # a round whose new nodes all reuse an earlier evaluation must not end the growth
+    target = ToyTarget(seed=3, sharpness=2.0)
+    config = DecodingConfig(gen_length=16, block_length=16)
+    sizes = []
+    drafter = SpotDrafter(OrderModel(SMALL), budget=6, per_round=2, refresh=refresh)
+    generate(
+        target,
+        requests(2, seed=1),
+        config,
+        drafter=drafter,
+        on_walk=lambda i, tree, path: sizes.append(len(tree.nodes)),
+    )
+    assert max(sizes) == 7  # a 16-position block has room for all 6 nodes
+
+
+@pytest.mark.parametrize("samples", [20, 40, 3])
+def test_fit_schedules_any_step_count_and_names_too_few(samples):
+    from spot.drafters.training import _fit
+
+    model = torch.nn.Linear(2, 1)
+    x = torch.randn(samples, 2)
+
+    def loss(idx):
+        return model(x[idx]).pow(2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    if samples < 4:
+        with pytest.raises(ValueError, match="record trajectories on more prompts"):
+            _fit(model, samples, loss, 1, 2, 1e-3, g, None)
+    else:
+        _fit(model, samples, loss, 2, 2, 1e-3, g, None)  # 20 steps broke the schedule

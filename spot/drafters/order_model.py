@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from spot.commit import sample_tokens
+from spot.commit import confidence_rank, sample_tokens
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,14 @@ class OrderModelConfig:
 
     @property
     def num_features(self) -> int:
-        # top-k probs, masked, assumed-committed, coupled-noise confidence, step fraction, depth
-        return self.top_k + 5
+        # top-k probs, masked, assumed-committed, coupled-noise confidence, its rank among the
+        # masked positions, its log(1 - confidence), step fraction, depth
+        return self.top_k + 7
+
+    @property
+    def log_doubt_index(self) -> int:
+        """Feature index of log(1 - confidence) / 16."""
+        return self.top_k + 4
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,15 +88,21 @@ def order_features(
     top_probs [N, B, K] stale top-k probabilities; masked [N, B] still masked in the hypothesis;
     assumed [N, B] committed by the hypothesis since the stale forward; noisy_conf [N, B];
     step_fraction [N] transitions taken in the block / steps per block; depth [N] hypothesis
-    steps ahead of the stale forward.
+    steps ahead of the stale forward. The confidence rank (the commit rules' own ordering,
+    lower index first on ties) and log(1 - confidence) resolve what a linear read of
+    probabilities near 1 cannot: which of several confident positions the target takes first.
     """
     n, b, _ = top_probs.shape
+    conf = noisy_conf.float()
+    rank = confidence_rank(conf, masked)
     return torch.cat(
         [
             top_probs.float(),
             masked.float().unsqueeze(-1),
             assumed.float().unsqueeze(-1),
-            noisy_conf.float().unsqueeze(-1),
+            conf.unsqueeze(-1),
+            (rank.float() / b).unsqueeze(-1),
+            ((1.0 - conf).clamp_min(1e-7).log() / 16.0).unsqueeze(-1),
             step_fraction.float().view(n, 1, 1).expand(n, b, 1),
             (depth.float() / config.max_lookahead).view(n, 1, 1).expand(n, b, 1),
         ],
@@ -100,7 +112,11 @@ def order_features(
 
 class OrderModel(nn.Module):
     """Features [N, B, F] + masked [N, B] -> logits over the next committed position [N, B]
-    (-inf where not masked)."""
+    (-inf where not masked).
+
+    The logits are a learned correction on top of the commit rule's own guess: a scaled
+    -log(1 - confidence) (most confident first, as the target would commit if its distribution
+    did not move). Training starts from that ordering instead of discovering it."""
 
     def __init__(self, config: OrderModelConfig):
         super().__init__()
@@ -118,11 +134,13 @@ class OrderModel(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, 1)
+        self.prior_scale = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, features: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         b = features.shape[1]
         positions = torch.arange(b, device=features.device)
         h = self.input(features) + self.position(positions)
         h = self.norm(self.encoder(h))
-        logits = self.head(h).squeeze(-1)
+        doubt = features[..., self.config.log_doubt_index] * 16.0  # log(1 - confidence)
+        logits = self.head(h).squeeze(-1) - self.prior_scale * doubt
         return logits.masked_fill(~masked, float("-inf"))

@@ -87,9 +87,8 @@ class BestFirstDrafter:
             for g in growing:
                 if g is None:
                     continue
-                for _ in range(self.per_round):
-                    if len(g.nodes) - 1 >= self.budget or not g.heap:
-                        break
+                fresh = 0  # nodes of this round that need the model
+                while fresh < self.per_round and len(g.nodes) - 1 < self.budget and g.heap:
                     node = self._expand(g)
                     if not self._in_stale_block(g, g.nodes[node]):
                         continue
@@ -99,6 +98,7 @@ class BestFirstDrafter:
                         self._push(g, node, g.rows[evaluated])
                     else:
                         frontier.append((g, node))
+                        fresh += 1
         return [
             DraftTree.single(inp.root) if g is None else DraftTree(tuple(g.nodes), tuple(g.parent))
             for inp, g in zip(inputs, growing)
@@ -170,8 +170,11 @@ class SpotDrafter(BestFirstDrafter):
         budget: int,
         per_round: int = 4,
         branching: int = 4,
-        refresh: int = 1,
+        refresh: int = 4,
     ):
+        """refresh 4: a chain reuses one model evaluation for up to 4 levels (measured on
+        sdar-tiny, block 32, budget 16: as many steps per forward as refresh 1, with fewer
+        model calls)."""
         super().__init__(budget, per_round, branching, refresh)
         self.model = model.eval()
         self.top_k = model.config.top_k

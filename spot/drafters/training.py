@@ -112,7 +112,16 @@ def _fit(
     """AdamW with a one-cycle schedule over shuffled mini-batches of sample indices."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     total = epochs * max(1, -(-samples // batch_size))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
+    if total < 3:
+        raise ValueError(
+            f"{samples} training samples make only {total} optimizer steps at batch size "
+            f"{batch_size}; record trajectories on more prompts (or train more epochs)"
+        )
+    # warm-up over 5% of the steps, at least two (one step exactly breaks OneCycleLR)
+    pct_start = max(0.05, 2 / total)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=lr, total_steps=total, pct_start=pct_start
+    )
     step = 0
     for _ in range(epochs):
         order = torch.randperm(samples, generator=generator)

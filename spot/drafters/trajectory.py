@@ -35,7 +35,9 @@ _FIELDS = (
 class Trajectories:
     """Flat tensors over S recorded transitions of blocks of length B."""
 
-    top_probs: torch.Tensor  # [S, B, K] float16, untempered softmax, descending
+    # [S, B, K] float32, untempered softmax, descending; float32 because the commit order
+    # among confident positions rests on differences (0.9995 vs 0.9998) that float16 erases
+    top_probs: torch.Tensor
     top_ids: torch.Tensor  # [S, B, K] int32 token ids of top_probs
     masked: torch.Tensor  # [S, B] bool, masked at s_i
     committed: torch.Tensor  # [S, B] bool, committed in s_i -> s_{i+1}
@@ -106,7 +108,7 @@ class TrajectoryRecorder:
         segment = self._segments.setdefault(key, len(self._segments))
         self._rows.append(
             (
-                top_probs.to(torch.float16).cpu(),
+                top_probs.to(torch.float32).cpu(),
                 top_ids.to(torch.int32).cpu(),
                 masked.cpu(),
                 committed.cpu(),
