@@ -74,15 +74,18 @@ def _never_mask(scores: torch.Tensor, mask_id: int | None) -> torch.Tensor:
     return scores
 
 
-def confidence_rank(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """Rank [N, B] of each masked position by descending confidence, lower index first on
-    ties (the order every commit rule takes positions in); unmasked positions rank last."""
+def confidence_order(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Positions [N, B] by descending confidence, masked ones first, lower index first on ties:
+    the order every commit rule takes positions in."""
     score = confidence.masked_fill(~masked, float("-inf"))
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    return rank.scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    )
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices
+
+
+def confidence_rank(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Rank [N, B] of each position in `confidence_order` (unmasked positions rank last)."""
+    order = confidence_order(confidence, masked)
+    arange = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, arange)
 
 
 def select_commits(

@@ -14,6 +14,8 @@ from torch import nn
 
 from spot.commit import confidence_rank, sample_tokens
 
+DOUBT_SCALE = 16.0  # log(1 - confidence) >= log(1e-7) ~ -16: the feature stays within [-1, 0]
+
 
 @dataclass(frozen=True)
 class OrderModelConfig:
@@ -33,7 +35,7 @@ class OrderModelConfig:
 
     @property
     def log_doubt_index(self) -> int:
-        """Feature index of log(1 - confidence) / 16."""
+        """Feature index of log(1 - confidence) / DOUBT_SCALE."""
         return self.top_k + 4
 
     def to_dict(self) -> dict:
@@ -102,7 +104,7 @@ def order_features(
             assumed.float().unsqueeze(-1),
             conf.unsqueeze(-1),
             (rank.float() / b).unsqueeze(-1),
-            ((1.0 - conf).clamp_min(1e-7).log() / 16.0).unsqueeze(-1),
+            ((1.0 - conf).clamp_min(1e-7).log() / DOUBT_SCALE).unsqueeze(-1),
             step_fraction.float().view(n, 1, 1).expand(n, b, 1),
             (depth.float() / config.max_lookahead).view(n, 1, 1).expand(n, b, 1),
         ],
@@ -141,6 +143,6 @@ class OrderModel(nn.Module):
         positions = torch.arange(b, device=features.device)
         h = self.input(features) + self.position(positions)
         h = self.norm(self.encoder(h))
-        doubt = features[..., self.config.log_doubt_index] * 16.0  # log(1 - confidence)
+        doubt = features[..., self.config.log_doubt_index] * DOUBT_SCALE  # log(1 - confidence)
         logits = self.head(h).squeeze(-1) - self.prior_scale * doubt
         return logits.masked_fill(~masked, float("-inf"))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from spot.commit import confidence_order, select_commits
 from spot.decode import DraftInput
 from spot.drafters.trajectory import Trajectories
 from spot.tree import DraftTree, State, advance
@@ -61,15 +62,20 @@ class DraftGraph:
 
 
 def _position_ranks(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """Masked positions ordered by descending confidence, lower index first on ties."""
-    score = confidence.double().masked_fill(~masked, float("-inf"))
-    order = torch.sort(score, descending=True, stable=True).indices
-    return order[: int(masked.sum())]
+    """Masked positions [M] in the commit rules' order (descending confidence)."""
+    return confidence_order(confidence.double(), masked)[: int(masked.sum())]
 
 
-def _threshold_count(confidence: torch.Tensor, ranks: torch.Tensor, threshold: float) -> int:
-    """Size of the set the threshold rule picks from these confidences (at least one)."""
-    return max(1, int((confidence.double()[ranks] >= threshold).sum()))
+def _threshold_count(confidence: torch.Tensor, masked: torch.Tensor, threshold: float) -> int:
+    """Size of the set the threshold rule picks from these confidences."""
+    picked = select_commits(
+        confidence.double()[None],
+        masked[None],
+        torch.ones(1, dtype=torch.long),
+        "threshold",
+        threshold,
+    )
+    return int(picked.sum())
 
 
 def _formula(traj: Trajectories, r: int, h: int, rule: str, threshold: float) -> Formula | None:
@@ -87,7 +93,7 @@ def _formula(traj: Trajectories, r: int, h: int, rule: str, threshold: float) ->
         return None
     if not bool((traj.top_ids[r, drafted, 0] == traj.tokens[h, drafted]).all()):
         return None
-    return (size - _threshold_count(confidence, ranks, threshold), 0)
+    return (size - _threshold_count(confidence, traj.masked[h], threshold), 0)
 
 
 def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph:
@@ -168,7 +174,7 @@ class SpiffyDrafter:
                     tokens = tokens.clone()
                     tokens[pos] = ranked_tokens[pos][ranked_tokens[pos] != tokens[pos]][j - 1]
             else:
-                size = _threshold_count(conf, ranks, config.threshold) + i
+                size = _threshold_count(conf, block == layout.mask_id, config.threshold) + i
                 if not 1 <= size <= ranks.numel():
                     continue
                 positions = ranks[:size]
