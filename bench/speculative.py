@@ -3,8 +3,9 @@ in one process, one table per target. Ratios are what to read: this machine is n
 
     .venv/bin/python bench/speculative.py --targets sdar-tiny --prompts 40 --block-length 32
 
-Rows: draft-free; Spiffy (calibrated graph, dynamic pruning to the budget); SPOT at the fixed
-budget (NFE-optimal) and with `auto` (throughput-optimal from the measured forward cost);
+Rows: draft-free; Spiffy (the budget's most frequent paths of its calibrated graph) and SPOT,
+each at the fixed budget (NFE-optimal) and with `auto` (throughput-optimal from the measured
+forward cost);
 a perfect order oracle (true next positions, tokens drafted from the stale logits like SPOT)
 with the same budget, to show what order prediction alone could reach; transfer rows (a
 drafter trained on another bundled target, unchanged). With --rule threshold: threshold alone,
@@ -22,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
-from spot.budget import AcceptanceCurve, AutoBudget, measure_forward_cost
+from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
-from spot.models.drafter_files import load_drafter, read_header
+from spot.models.drafter_files import acceptance_curve, load_drafter
 from spot.tree import DraftTree, advance
 
 
@@ -198,8 +199,8 @@ def bench_target(name: str, args) -> None:
                 continue  # the set model's projections are per target width
             drafter = load_drafter(kind, path, args.budget, target)
             rows.append(run(label, args.budget, target, requests, config, args.batch_size, drafter))
-            if kind != "spiffy" and source == name:
-                curve = AcceptanceCurve.from_dict(read_header(path)["acceptance_curve"])
+            if source == name:
+                curve = acceptance_curve(kind, path)
                 auto = AutoBudget(load_drafter(kind, path, args.budget, target), curve, cost)
                 row = run(label + " auto", "auto", target, requests, config, args.batch_size, auto)
                 row.budget = f"auto→{auto.chosen}"

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.corpus import examples, read_jsonl
-from spot.budget import acceptance_curve
+from spot.budget import CURVE_BUDGETS, acceptance_curve
 from spot.builtin import resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
@@ -31,8 +31,6 @@ from spot.drafters.training import build_samples, train_order_model, train_set_m
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
 from spot.models.drafter_files import save_order_model
 from spot.noise import request_key
-
-CURVE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def load_model_and_tokenizer(path: str, dtype: str = "float32"):

@@ -50,12 +50,12 @@ def build_drafter(job: Job, target: Target) -> Drafter | None:
     path = job.drafter_path()
     if path is None:
         return None
-    from spot.budget import AcceptanceCurve, AutoBudget, measure_forward_cost
-    from spot.models.drafter_files import load_drafter, read_header
+    from spot.budget import AutoBudget, measure_forward_cost
+    from spot.models.drafter_files import acceptance_curve, load_drafter
 
     if job.drafter.budget != "auto":
         return load_drafter(job.drafter.kind, path, job.drafter.budget, target)
-    curve = AcceptanceCurve.from_dict(read_header(path)["acceptance_curve"])
+    curve = acceptance_curve(job.drafter.kind, path)
     largest = max(curve.budgets)
     batch = job.resources.batch_size
     block = job.decoding.block_length

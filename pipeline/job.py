@@ -107,8 +107,9 @@ class DrafterConfig(_Section):
         description="Tree nodes verified per request per forward: larger trees accept more steps "
         "per forward but make each forward wider. auto measures this machine's forward cost "
         "as the verified width grows (at replica start) and picks, per batch size, the budget "
-        "with the most expected steps per second from the drafter's stored acceptance curve; "
-        "0 (draft-free) is a legal outcome. A number forces that budget.",
+        "with the most expected steps per second from the drafter's acceptance curve (measured "
+        "after training for spot and spot-sets, predicted by the calibration counts for "
+        "spiffy); 0 (draft-free) is a legal outcome. A number forces that budget.",
     )
 
     @field_validator("budget")
@@ -261,11 +262,6 @@ class Job(_Section):
             raise ValueError(
                 f"drafter.kind: {kind} drafts for the {'/'.join(DRAFTER_RULES[kind])} rule, "
                 f"not decoding.rule {rule!r}; use drafter.kind {' or '.join(fits)} (or none)"
-            )
-        if kind == "spiffy" and self.drafter.budget == "auto":
-            raise ValueError(
-                "drafter.budget: auto needs an acceptance curve, which spot and spot-sets "
-                "checkpoints store; give spiffy a number (its draft-graph size)"
             )
         if kind == "spiffy" and rule == "static" and self.decoding.tokens_per_step != 1:
             raise ValueError("drafter.kind: spiffy drafts one token per step (tokens_per_step: 1)")

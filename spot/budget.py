@@ -19,6 +19,8 @@ import torch
 from spot.target import Target, Window
 from spot.tree import DraftTree
 
+CURVE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # budgets a stored curve covers
+
 
 @dataclass(frozen=True)
 class AcceptanceCurve:

@@ -79,7 +79,10 @@ class DraftInput:
 
     def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B] and confidences [B] the commit rule would take from the stale logits
-        at `step` (the target's own draw if its distribution has not moved); cached."""
+        at `step` (the target's own draw if its distribution has not moved); cached, once for
+        all steps at T=0 where no noise enters."""
+        if self.config.temperature == 0.0:
+            step = 0
         if step not in self._drawn:
             c = self.config
             self._drawn[step] = sample_tokens(

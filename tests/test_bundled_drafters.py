@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
-from spot.models.drafter_files import load_drafter
+from spot.models.drafter_files import acceptance_curve, load_drafter
 
 TARGETS = ("sdar-tiny", "sdar-nano", "llada-tiny")
 DRAFTERS = (
@@ -44,3 +45,21 @@ def test_shipped_drafter_is_lossless(bundled, kind, rule, block_length, temperat
     for a, b in zip(plain, drafted, strict=True):
         assert torch.equal(a.tokens, b.tokens)
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
+
+
+@pytest.mark.parametrize("kind", ["spot", "spiffy"])
+def test_auto_budget_of_a_shipped_drafter_is_lossless(bundled, kind):
+    name, target, requests = bundled
+    config = DecodingConfig(gen_length=64, block_length=32)
+    path = builtin_drafter(name, kind, 32)
+    curve = acceptance_curve(kind, path)
+    assert curve.budgets[0] == 0 and curve.steps_per_forward[0] == 1.0
+    assert list(curve.steps_per_forward) == sorted(curve.steps_per_forward)
+    cost = measure_forward_cost(target, 32, 64, [1, 2, 4, 8, 17])
+    auto = AutoBudget(load_drafter(kind, path, max(curve.budgets), target), curve, cost)
+    plain = generate(target, requests, config)
+    drafted = generate(target, requests[:1], config, drafter=auto)
+    drafted += generate(target, requests[1:], config, drafter=auto)
+    assert set(auto.chosen) == {1, 2} and set(auto.chosen.values()) <= set(curve.budgets)
+    for a, b in zip(plain, drafted, strict=True):
+        assert torch.equal(a.tokens, b.tokens)

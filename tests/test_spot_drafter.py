@@ -157,7 +157,7 @@ def test_threshold_spiffy_drafts_the_stale_thresholded_set_and_its_resizings():
 
 def test_threshold_spiffy_calibration_of_a_hand_written_trajectory():
     # one block of 4: the target commits {0}, then {1, 2}, then {3}
-    probs = torch.zeros(3, 4, 2, dtype=torch.float16)
+    probs = torch.zeros(3, 4, 2)
     ids = torch.zeros(3, 4, 2, dtype=torch.int32)
     probs[0, :, 0] = torch.tensor([0.99, 0.95, 0.5, 0.3])
     ids[0, :, 0] = torch.tensor([3, 4, 5, 6])
@@ -167,7 +167,7 @@ def test_threshold_spiffy_calibration_of_a_hand_written_trajectory():
     committed = torch.tensor([[1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     tokens = torch.tensor([[3, -1, -1, -1], [-1, 4, 5, -1], [-1, -1, -1, 6]], dtype=torch.int32)
     traj = Trajectories(
-        probs,
+        probs.log(),
         ids,
         masked,
         committed,
@@ -234,3 +234,33 @@ def test_fit_schedules_any_step_count_and_names_too_few(samples):
             _fit(model, samples, loss, 1, 2, 1e-3, g, None)
     else:
         _fit(model, samples, loss, 2, 2, 1e-3, g, None)  # 20 steps broke the schedule
+
+
+def test_recorded_trajectories_keep_the_commit_order_among_near_certain_positions():
+    # three positions all above 1 - 1e-7, the target commits the most confident (position 2);
+    # probabilities in float32 would all read 1.0 and rank position 0 first
+    from spot.drafters.order_model import noisy_confidence
+    from spot.tree import State
+
+    logits = torch.zeros(3, 5)
+    logits[:, 1] = torch.tensor([17.0, 19.0, 21.0])  # 1 - p ~ 4e-7*e^-... : 1.6e-7, 2e-8, 3e-9
+    recorder = TrajectoryRecorder([0], block_length=3, mask_id=4, top_k=2)
+    state = State(0, torch.full((3,), 4), 0, 0)
+    successor = State(0, torch.tensor([4, 4, 1]), 1, 1)
+    recorder(0, state, logits, successor, None)
+    traj = recorder.result({})
+    assert torch.softmax(logits, -1)[:, 1].float().unique().numel() == 1  # float32 ties
+    conf = noisy_confidence(traj.top_logprobs[0], traj.top_ids[0], None, 0.0, "tempered")
+    assert conf.argmax().item() == 2 == traj.committed[0].nonzero().item()
+    assert conf[2] > conf[1] > conf[0]
+
+
+def test_spiffy_budget_takes_the_most_frequent_paths_and_predicts_its_acceptance():
+    paths = (((0, 0),), ((1, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
+    graph = DraftGraph(paths, (80, 10, 60, 30), {"records": 100, "rule": "static"})
+    drafter = SpiffyDrafter(graph, budget=2)
+    assert drafter.graph.paths == (((0, 0),), ((0, 0), (0, 0)))
+    drafter.budget = 3
+    assert drafter.graph.paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
+    curve = graph.acceptance_curve([0, 1, 2, 3, 4])
+    assert curve.steps_per_forward == (1.0, 1.8, 2.4, 2.7, 2.8)

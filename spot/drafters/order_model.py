@@ -14,7 +14,9 @@ from torch import nn
 
 from spot.commit import confidence_rank, sample_tokens
 
-DOUBT_SCALE = 16.0  # log(1 - confidence) >= log(1e-7) ~ -16: the feature stays within [-1, 0]
+# log(1 - confidence) >= log(1e-16) ~ -36.8 (float64 probabilities saturate there, and so do
+# the target's own): the feature stays within [-1, 0]
+DOUBT_SCALE = 36.85
 
 
 @dataclass(frozen=True)
@@ -43,19 +45,24 @@ class OrderModelConfig:
 
 
 def stale_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k untempered probabilities [..., k] (float32, descending) and their ids [..., k];
-    zero-padded when the vocabulary is smaller than k."""
-    probs = torch.softmax(logits.double(), dim=-1)
-    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    """Top-k untempered log-probabilities [..., k] (float32, descending) and their ids [..., k];
+    padded with -inf when the vocabulary is smaller than k.
+
+    Log-probabilities, not probabilities: the commit order among confident positions rests on
+    differences like 1 - 3e-9 vs 1 - 8e-10, which float32 probabilities round to one value
+    (the most confident position was tied in 76% of sdar-tiny's steps) while float32
+    log-probabilities keep them."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
     pad = k - top.values.shape[-1]
     return (
-        torch.nn.functional.pad(top.values.float(), (0, pad)),
+        torch.nn.functional.pad(top.values.float(), (0, pad), value=float("-inf")),
         torch.nn.functional.pad(top.indices, (0, pad)),
     )
 
 
 def noisy_confidence(
-    top_probs: torch.Tensor,
+    top_logprobs: torch.Tensor,
     top_ids: torch.Tensor,
     gumbel: torch.Tensor | None,
     temperature: float,
@@ -63,21 +70,21 @@ def noisy_confidence(
 ) -> torch.Tensor:
     """The stale confidence of the token the coupled noise picks, per position.
 
-    top_probs/top_ids: [..., K] the stale distribution's top-k; gumbel: [..., V] noise of the
-    hypothesis step (None at T=0). Restricted to the top-k (tokens outside it win rarely), this
-    is what the target's own confidence will be if its distribution has not moved.
-    Returns [...] float32.
+    top_logprobs/top_ids: [..., K] the stale distribution's top-k; gumbel: [..., V] noise of
+    the hypothesis step (None at T=0). Restricted to the top-k (tokens outside it win rarely),
+    this is what the target's own confidence will be if its distribution has not moved.
+    Returns [...] float64, the precision the commit rules order positions in.
     """
-    logp = top_probs.double().clamp_min(1e-30).log()
+    logp = top_logprobs.double()
     if gumbel is None or temperature == 0.0:
-        return top_probs[..., 0].float()
+        return logp[..., 0].exp()
     noise = gumbel.gather(-1, top_ids.long())
     _, conf = sample_tokens(logp, noise, temperature, confidence=confidence)
-    return conf.float()
+    return conf
 
 
 def order_features(
-    top_probs: torch.Tensor,
+    top_logprobs: torch.Tensor,
     masked: torch.Tensor,
     assumed: torch.Tensor,
     noisy_conf: torch.Tensor,
@@ -87,24 +94,26 @@ def order_features(
 ) -> torch.Tensor:
     """Per-position inputs [N, B, F].
 
-    top_probs [N, B, K] stale top-k probabilities; masked [N, B] still masked in the hypothesis;
-    assumed [N, B] committed by the hypothesis since the stale forward; noisy_conf [N, B];
+    top_logprobs [N, B, K] stale top-k log-probabilities; masked [N, B] still masked in the
+    hypothesis; assumed [N, B] committed by the hypothesis since the stale forward; noisy_conf
+    [N, B] float64;
     step_fraction [N] transitions taken in the block / steps per block; depth [N] hypothesis
     steps ahead of the stale forward. The confidence rank (the commit rules' own ordering,
     lower index first on ties) and log(1 - confidence) resolve what a linear read of
     probabilities near 1 cannot: which of several confident positions the target takes first.
     """
-    n, b, _ = top_probs.shape
-    conf = noisy_conf.float()
+    n, b, _ = top_logprobs.shape
+    conf = noisy_conf.double()
     rank = confidence_rank(conf, masked)
+    doubt = torch.log1p(-conf).clamp_min(-DOUBT_SCALE) / DOUBT_SCALE
     return torch.cat(
         [
-            top_probs.float(),
+            top_logprobs.float().exp(),
             masked.float().unsqueeze(-1),
             assumed.float().unsqueeze(-1),
-            conf.unsqueeze(-1),
+            conf.float().unsqueeze(-1),
             (rank.float() / b).unsqueeze(-1),
-            ((1.0 - conf).clamp_min(1e-7).log() / DOUBT_SCALE).unsqueeze(-1),
+            doubt.float().unsqueeze(-1),
             step_fraction.float().view(n, 1, 1).expand(n, b, 1),
             (depth.float() / config.max_lookahead).view(n, 1, 1).expand(n, b, 1),
         ],

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from spot.budget import AcceptanceCurve
 from spot.commit import confidence_order, select_commits
 from spot.decode import DraftInput
 from spot.drafters.trajectory import Trajectories
@@ -51,6 +52,24 @@ class DraftGraph:
         }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(body, indent=1))
+
+    def most_frequent(self, budget: int) -> DraftGraph:
+        """The graph calibration would have kept with a smaller budget: its `budget` most
+        frequent paths (prefix-closed, since a path never counts more than its parent)."""
+        ranked = sorted(range(len(self.paths)), key=lambda i: (-self.counts[i], len(self.paths[i])))
+        kept = sorted(ranked[:budget])
+        return DraftGraph(
+            tuple(self.paths[i] for i in kept), tuple(self.counts[i] for i in kept), self.meta
+        )
+
+    def acceptance_curve(self, budgets: Sequence[int]) -> AcceptanceCurve:
+        """Expected steps per forward at each budget, from the calibration counts: a path's
+        count over the records is how often the walk accepts its node (paths of one graph
+        draft different transitions, so at most one child of a node can match)."""
+        records = int(self.meta["records"])
+        ranked = sorted(self.counts, reverse=True)
+        steps = tuple(1.0 + sum(ranked[:d]) / records for d in budgets)
+        return AcceptanceCurve(tuple(budgets), steps)
 
     @classmethod
     def load(cls, path: str | Path) -> DraftGraph:
@@ -81,7 +100,7 @@ def _threshold_count(confidence: torch.Tensor, masked: torch.Tensor, threshold: 
 def _formula(traj: Trajectories, r: int, h: int, rule: str, threshold: float) -> Formula | None:
     """The formula that drafts transition h from record r's stale distribution, if any."""
     committed = traj.committed[h].nonzero().flatten()
-    confidence = traj.top_probs[r, :, 0]
+    confidence = traj.top_logprobs[r, :, 0].double().exp()
     ranks = _position_ranks(confidence, traj.masked[h])
     if rule == "static":
         pos = int(committed[0])
@@ -123,11 +142,21 @@ def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph
 
 
 class SpiffyDrafter:
-    """Applies a calibrated draft graph to each root; `keep` enables dynamic pruning."""
+    """Applies a calibrated draft graph to each root. `budget` drafts its most frequent
+    paths (all of them when None); `keep` enables dynamic pruning."""
 
-    def __init__(self, graph: DraftGraph, keep: int | None = None):
-        self.graph = graph
+    def __init__(self, graph: DraftGraph, budget: int | None = None, keep: int | None = None):
+        self.calibrated = graph
+        self.budget = len(graph.paths) if budget is None else budget
         self.keep = keep
+
+    @property
+    def budget(self) -> int:
+        return len(self.graph.paths)
+
+    @budget.setter
+    def budget(self, budget: int) -> None:
+        self.graph = self.calibrated.most_frequent(budget)
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         return [self._tree(inp) for inp in inputs]
@@ -149,8 +178,10 @@ class SpiffyDrafter:
                 + (" with 1 token per step" if self.rule == "static" else "")
                 + f", not {config.rule} with {config.tokens_per_step} token(s) per step"
             )
-        stale_probs = torch.softmax(inp.stale_logits.double(), dim=-1)
-        ranked_tokens = torch.sort(stale_probs, dim=-1, descending=True, stable=True).indices
+        stale_probs = None
+        if self.keep is not None:
+            stale_probs = torch.softmax(inp.stale_logits.double(), dim=-1)
+        ranked_tokens = None
         index: dict[Path_, int] = {(): 0}
         nodes: list[State] = [root]
         parent = [-1]
@@ -170,6 +201,10 @@ class SpiffyDrafter:
                     continue
                 positions = ranks[i : i + 1]
                 if j > 0:  # the j-th ranked stale token other than the drawn one
+                    if ranked_tokens is None:
+                        ranked_tokens = torch.sort(
+                            inp.stale_logits, dim=-1, descending=True, stable=True
+                        ).indices
                     pos = int(positions[0])
                     tokens = tokens.clone()
                     tokens[pos] = ranked_tokens[pos][ranked_tokens[pos] != tokens[pos]][j - 1]
@@ -183,10 +218,11 @@ class SpiffyDrafter:
             index[path] = len(nodes)
             nodes.append(advance(layout, node, child_block))
             parent.append(up)
-            chosen = stale_probs[positions, tokens[positions]].clamp_min(1e-30).log().sum()
-            log_prob.append(log_prob[up] + float(chosen))
-            drafted.append(drafted[up] + positions.numel())
-        if self.keep is not None and len(nodes) - 1 > self.keep:
+            if stale_probs is not None:
+                chosen = stale_probs[positions, tokens[positions]].clamp_min(1e-30).log().sum()
+                log_prob.append(log_prob[up] + float(chosen))
+                drafted.append(drafted[up] + positions.numel())
+        if stale_probs is not None and len(nodes) - 1 > self.keep:
             nodes, parent = _prune(nodes, parent, log_prob, drafted, self.keep)
         return DraftTree(tuple(nodes), tuple(parent))
 

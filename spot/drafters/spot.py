@@ -34,7 +34,7 @@ class _Growing:
     """One request's tree while it grows."""
 
     inp: DraftInput
-    top_probs: torch.Tensor  # [B, K]
+    top_logprobs: torch.Tensor  # [B, K]
     top_ids: torch.Tensor  # [B, K]
     stale_masked: torch.Tensor  # [B]
     nodes: list[State]
@@ -121,19 +121,23 @@ class BestFirstDrafter:
                 f"{type(self).__name__} drafts for the {'/'.join(self.rules)} rule, "
                 f"not {inp.config.rule!r}"
             )
-        top_probs, top_ids = stale_top(inp.stale_logits, self.top_k)
+        top_logprobs, top_ids = stale_top(inp.stale_logits, self.top_k)
         stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
-        return _Growing(inp, top_probs, top_ids, stale_masked, [inp.root], [-1], [0.0])
+        return _Growing(inp, top_logprobs, top_ids, stale_masked, [inp.root], [-1], [0.0])
 
     def _node_features(self, g: _Growing, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
         """Order features [1, B, F] of node n and its mask [1, B]."""
         inp, node = g.inp, g.nodes[n]
         masked = node.block(inp.layout.block_length) == inp.layout.mask_id
         conf = noisy_confidence(
-            g.top_probs, g.top_ids, g.inp.gumbel(node.step), inp.config.temperature, inp.confidence
+            g.top_logprobs,
+            g.top_ids,
+            g.inp.gumbel(node.step),
+            inp.config.temperature,
+            inp.confidence,
         )
         feats = order_features(
-            g.top_probs[None],
+            g.top_logprobs[None],
             masked[None],
             (g.stale_masked & ~masked)[None],
             conf[None],

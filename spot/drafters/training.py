@@ -52,26 +52,26 @@ def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
         pairs.append(torch.stack([i[same], i[same] + j], dim=1))
     pairs = torch.cat(pairs)
     stale, hyp = pairs[:, 0], pairs[:, 1]
-    top_probs = traj.top_probs[stale].float()
+    top_logprobs = traj.top_logprobs[stale]
     top_ids = traj.top_ids[stale]
     masked = traj.masked[hyp]
     assumed = traj.masked[stale] & ~masked
     if temperature == 0.0:
-        conf = top_probs[..., 0]
+        conf = noisy_confidence(top_logprobs, top_ids, None, 0.0, confidence)
         token_ids = top_ids[..., 0]
     else:
         vocab = int(meta["vocab_size"])
         b = traj.block_length
-        conf = torch.empty(top_probs.shape[:2])
-        token_ids = torch.empty(top_probs.shape[:2], dtype=top_ids.dtype)
+        conf = torch.empty(top_logprobs.shape[:2], dtype=torch.float64)
+        token_ids = torch.empty(top_logprobs.shape[:2], dtype=top_ids.dtype)
         for r, h in enumerate(hyp.tolist()):
             g = noise.gumbel(seed, int(traj.key[h]), int(traj.step[h]), (b, vocab))
-            conf[r] = noisy_confidence(top_probs[r], top_ids[r], g, temperature, confidence)
-            logp = top_probs[r].double().clamp_min(1e-30).log() / temperature
+            conf[r] = noisy_confidence(top_logprobs[r], top_ids[r], g, temperature, confidence)
+            logp = top_logprobs[r].double() / temperature
             pick = (logp + g.gather(-1, top_ids[r].long())).argmax(-1, keepdim=True)
             token_ids[r] = top_ids[r].gather(-1, pick).squeeze(-1)
     features = order_features(
-        top_probs,
+        top_logprobs,
         masked,
         assumed,
         conf,

@@ -1,7 +1,7 @@
 """Recording the target's own draft-free trajectories: what drafters learn or calibrate from.
 
 One record per transition s_i -> s_{i+1} of the target's decoding (a `spot.decode.Trace`):
-the target's exact distribution at s_i (top-k ids and probabilities per block position), which
+the target's exact distribution at s_i (top-k ids and log-probabilities per block position), which
 positions were masked at s_i, and which committed, with which token. A *segment* is one block
 of one request; its records are consecutive, so the state a few steps ahead of s_i is s_i's
 mask minus the commits in between.
@@ -19,7 +19,7 @@ from spot.tree import State
 
 TOP_K = 32
 _FIELDS = (
-    "top_probs",
+    "top_logprobs",
     "top_ids",
     "masked",
     "committed",
@@ -35,10 +35,10 @@ _FIELDS = (
 class Trajectories:
     """Flat tensors over S recorded transitions of blocks of length B."""
 
-    # [S, B, K] float32, untempered softmax, descending; float32 because the commit order
-    # among confident positions rests on differences (0.9995 vs 0.9998) that float16 erases
-    top_probs: torch.Tensor
-    top_ids: torch.Tensor  # [S, B, K] int32 token ids of top_probs
+    # [S, B, K] float32, untempered log-softmax, descending: the commit order among confident
+    # positions rests on differences (1 - 3e-9 vs 1 - 8e-10) that probabilities in float32 erase
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor  # [S, B, K] int32 token ids of top_logprobs
     masked: torch.Tensor  # [S, B] bool, masked at s_i
     committed: torch.Tensor  # [S, B] bool, committed in s_i -> s_{i+1}
     tokens: torch.Tensor  # [S, B] int32, the committed tokens (-1 elsewhere)
@@ -60,7 +60,13 @@ class Trajectories:
 
     @classmethod
     def load(cls, path: str | Path) -> Trajectories:
-        return cls(**torch.load(path, weights_only=True))
+        body = torch.load(path, weights_only=True)
+        if "top_logprobs" not in body:
+            raise ValueError(
+                f"{path} holds trajectories in an older format (probabilities, not "
+                "log-probabilities); record them again with `spot-pipeline record-trajectories`"
+            )
+        return cls(**body)
 
     def split(self, fraction: float) -> tuple[Trajectories, Trajectories]:
         """(train, held-out) by segment, the last `fraction` of segments held out."""
@@ -100,7 +106,7 @@ class TrajectoryRecorder:
         width = state.span.numel()
         before = state.block(b)
         after = successor.span[width - b : width]
-        top_probs, top_ids = stale_top(logits, self.top_k)
+        top_logprobs, top_ids = stale_top(logits, self.top_k)
         masked = before == self.mask_id
         committed = masked & (after != self.mask_id)
         tokens = torch.where(committed, after, torch.full_like(after, -1))
@@ -108,7 +114,7 @@ class TrajectoryRecorder:
         segment = self._segments.setdefault(key, len(self._segments))
         self._rows.append(
             (
-                top_probs.to(torch.float32).cpu(),
+                top_logprobs.cpu(),
                 top_ids.to(torch.int32).cpu(),
                 masked.cpu(),
                 committed.cpu(),
@@ -126,7 +132,7 @@ class TrajectoryRecorder:
         rows = sorted(self._rows, key=lambda r: (r[5], r[6]))
         cols = list(zip(*rows))
         return Trajectories(
-            top_probs=torch.stack(cols[0]),
+            top_logprobs=torch.stack(cols[0]),
             top_ids=torch.stack(cols[1]),
             masked=torch.stack(cols[2]),
             committed=torch.stack(cols[3]),

@@ -9,6 +9,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from spot.budget import CURVE_BUDGETS, AcceptanceCurve
 from spot.drafters.order_model import OrderModel, OrderModelConfig
 from spot.drafters.spot_sets import SetModel, SetModelConfig
 
@@ -42,6 +43,18 @@ def load_order_model(path: str | Path, kind: str = "spot") -> tuple[OrderModel |
     return model.eval(), header
 
 
+def acceptance_curve(kind: str, path: str | Path) -> AcceptanceCurve:
+    """Steps per forward by budget, which `drafter.budget: auto` weighs against the forward
+    cost: measured after training (SPOT, SPOT-Sets, stored in the header) or predicted by
+    Spiffy's calibration counts."""
+    if kind == "spiffy":
+        from spot.drafters.spiffy import DraftGraph
+
+        graph = DraftGraph.load(path)
+        return graph.acceptance_curve([b for b in CURVE_BUDGETS if b <= len(graph.paths)])
+    return AcceptanceCurve.from_dict(read_header(path)["acceptance_curve"])
+
+
 def load_drafter(kind: str, path: str | Path, budget: int, target):
     """The drafter of `kind` ("spot", "spot-sets" or "spiffy") stored at `path`, drafting
     `budget` nodes for `target` (SPOT-Sets reads its token embeddings)."""
@@ -62,5 +75,5 @@ def load_drafter(kind: str, path: str | Path, budget: int, target):
         return SpotSetsDrafter(model, target.embed, budget=budget)
     if kind == "spiffy":
         graph = DraftGraph.load(path)
-        return SpiffyDrafter(graph, keep=budget if budget < len(graph.paths) else None)
+        return SpiffyDrafter(graph, budget=budget)
     raise ValueError(f"unknown drafter kind {kind!r}")
