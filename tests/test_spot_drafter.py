@@ -46,10 +46,19 @@ def record(target, reqs, config):
     return rec.result(meta)
 
 
-@pytest.mark.parametrize("temperature,refresh", [(0.0, 1), (0.8, 1), (0.0, 3), (0.8, 99)])
-def test_untrained_order_model_changes_nothing(temperature, refresh):
+@pytest.mark.parametrize(
+    "temperature,refresh,tokens_per_step",
+    [(0.0, 1, 1), (0.8, 1, 1), (0.0, 3, 1), (0.8, 99, 1), (0.0, 1, 2), (0.8, 3, 2)],
+)
+def test_untrained_order_model_changes_nothing(temperature, refresh, tokens_per_step):
     target = ToyTarget(seed=3, sharpness=2.0)
-    config = DecodingConfig(gen_length=24, block_length=8, temperature=temperature, seed=2)
+    config = DecodingConfig(
+        gen_length=24,
+        block_length=8,
+        temperature=temperature,
+        seed=2,
+        tokens_per_step=tokens_per_step,
+    )
     reqs = requests(4, seed=1)
     drafter = SpotDrafter(OrderModel(SMALL), budget=6, refresh=refresh)
     plain = generate(target, reqs, config)

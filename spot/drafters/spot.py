@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spot.commit import confidence_order
 from spot.decode import DraftInput
 from spot.drafters.order_model import (
     OrderModel,
@@ -194,10 +195,12 @@ class SpotDrafter(BestFirstDrafter):
         masked = node.block(b) == layout.mask_id
         logp = torch.log_softmax(row.masked_fill(~masked, float("-inf")), dim=-1)
         k = max(1, layout.commit_count(node.block_start(b), node.block_step))
-        _, conf = g.inp.draw(node.step)
-        positions = masked.nonzero().flatten().tolist()
-        by_conf = sorted(positions, key=lambda p: -float(conf[p]))
-        best = torch.topk(logp, min(self.branching, len(positions)))
+        num_masked = int(masked.sum())
+        by_conf: list[int] = []
+        if k > 1:
+            _, conf = g.inp.draw(node.step)
+            by_conf = confidence_order(conf[None], masked[None])[0, :num_masked].tolist()
+        best = torch.topk(logp, min(self.branching, num_masked))
         moves = []
         for value, pos in zip(best.values.tolist(), best.indices.tolist()):
             rest = [p for p in by_conf if p != pos][: k - 1]
