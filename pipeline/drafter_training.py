@@ -172,6 +172,7 @@ def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, 
     meta = traj.meta
     tokenizer, target = load_model_and_tokenizer(model_path)
     train, held = traj.split(heldout)
+    train, validation = train.split(heldout)  # picks the epoch; `held` only reports
     bar = tqdm(desc=f"training {kind}", unit="step")
 
     def progress(step, total, loss):
@@ -182,7 +183,12 @@ def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, 
     if kind == "spot":
         cfg = OrderModelConfig()
         model, metrics = train_order_model(
-            build_samples(train, cfg), build_samples(held, cfg), cfg, epochs, progress=progress
+            build_samples(train, cfg),
+            build_samples(held, cfg),
+            cfg,
+            epochs,
+            progress=progress,
+            validation=build_samples(validation, cfg),
         )
         drafter = SpotDrafter(model, budget)
     else:
@@ -198,6 +204,7 @@ def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, 
             cfg,
             epochs,
             progress=progress,
+            validation=(build_samples(validation, cfg), validation.hidden),
         )
         drafter = SpotSetsDrafter(model, target.embed, budget)
     bar.close()

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-pipeline
 WORK=${WORK:-build/drafters}
 PROMPTS=${PROMPTS:-300}
+THRESHOLD_PROMPTS=${THRESHOLD_PROMPTS:-$PROMPTS}  # threshold decoding records fewer steps
 EPOCHS=${EPOCHS:-6}
 GEN=${GEN:-64}
 mkdir -p "$WORK"
@@ -28,7 +29,7 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
     $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 16
     threshold=$WORK/$target-b$block-threshold.pt
     $CLI record-trajectories --model "builtin:$target" --out "$threshold" --hidden \
-      --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS" \
+      --block-length "$block" --gen-length "$GEN" --prompts "$THRESHOLD_PROMPTS" \
       --rule threshold --threshold 0.9
     $CLI calibrate-spiffy --trajectories "$threshold" --budget 16 \
       --out "$out/spiffy-b$block-threshold.json"

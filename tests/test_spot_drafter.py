@@ -245,6 +245,24 @@ def test_fit_schedules_any_step_count_and_names_too_few(samples):
         _fit(model, samples, loss, 2, 2, 1e-3, g, None)  # 20 steps broke the schedule
 
 
+def test_fit_keeps_the_epoch_that_validates_best():
+    from spot.drafters.training import _fit
+
+    model = torch.nn.Linear(2, 1)
+    x = torch.randn(16, 2)
+    states, scripted = [], iter([0.2, 0.9, 0.5, 0.9])  # before training, then per epoch
+
+    def validate():
+        states.append(model.weight.detach().clone())
+        return next(scripted)
+
+    g = torch.Generator().manual_seed(0)
+    scores = _fit(model, 16, lambda idx: model(x[idx]).sum(), 3, 4, 1e-2, g, None, validate)
+    assert scores == [0.2, 0.9, 0.5, 0.9]
+    assert torch.equal(model.weight, states[3])  # ties go to the later epoch
+    assert not torch.equal(states[1], states[3])
+
+
 def test_recorded_trajectories_keep_the_commit_order_among_near_certain_positions():
     # three positions all above 1 - 1e-7, the target commits the most confident (position 2);
     # probabilities in float32 would all read 1.0 and rank position 0 first
@@ -252,7 +270,7 @@ def test_recorded_trajectories_keep_the_commit_order_among_near_certain_position
     from spot.tree import State
 
     logits = torch.zeros(3, 5)
-    logits[:, 1] = torch.tensor([17.0, 19.0, 21.0])  # 1 - p ~ 4e-7*e^-... : 1.6e-7, 2e-8, 3e-9
+    logits[:, 1] = torch.tensor([17.0, 19.0, 21.0])  # 1 - p = 1.7e-7, 2.2e-8, 3.0e-9
     recorder = TrajectoryRecorder([0], block_length=3, mask_id=4, top_k=2)
     state = State(0, torch.full((3,), 4), 0, 0)
     successor = State(0, torch.tensor([4, 4, 1]), 1, 1)

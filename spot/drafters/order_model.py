@@ -127,7 +127,8 @@ class OrderModel(nn.Module):
 
     The logits are a learned correction on top of the commit rule's own guess: a scaled
     -log(1 - confidence) (most confident first, as the target would commit if its distribution
-    did not move). Training starts from that ordering instead of discovering it."""
+    did not move). Training starts from that ordering (the correction head starts at zero)
+    instead of discovering it."""
 
     def __init__(self, config: OrderModelConfig):
         super().__init__()
@@ -145,6 +146,8 @@ class OrderModel(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, 1)
+        nn.init.zeros_(self.head.weight)  # untrained, the model is the rule's own guess
+        nn.init.zeros_(self.head.bias)
         self.prior_scale = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, features: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

@@ -108,8 +108,13 @@ def _fit(
     lr: float,
     generator: torch.Generator,
     progress: Callable[[int, int, float], None] | None,
-) -> None:
-    """AdamW with a one-cycle schedule over shuffled mini-batches of sample indices."""
+    validate: Callable[[], float] | None = None,
+) -> list[float]:
+    """AdamW with a one-cycle schedule over shuffled mini-batches of sample indices.
+
+    With `validate` (a score, higher is better), the model is scored before training and
+    after every epoch and the best of those states is kept: a few hundred blocks of
+    trajectories are easy to overfit. Returns the scores, index 0 before training."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     total = epochs * max(1, -(-samples // batch_size))
     if total < 3:
@@ -122,6 +127,19 @@ def _fit(
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=lr, total_steps=total, pct_start=pct_start
     )
+    scores: list[float] = []
+    best: dict[str, torch.Tensor] = {}
+
+    def checkpoint() -> None:
+        if validate is None:
+            return
+        model.eval()
+        scores.append(validate())
+        if scores[-1] >= max(scores):
+            best.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        model.train()
+
+    checkpoint()
     step = 0
     for _ in range(epochs):
         order = torch.randperm(samples, generator=generator)
@@ -135,7 +153,11 @@ def _fit(
             step += 1
             if progress is not None:
                 progress(step, total, float(loss))
+        checkpoint()
+    if best:
+        model.load_state_dict(best)
     model.eval()
+    return scores
 
 
 def _init(model_class, config, seed: int):
@@ -153,8 +175,11 @@ def train_order_model(
     lr: float = 1e-3,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
+    validation: OrderSamples | None = None,
 ) -> tuple[OrderModel, dict]:
-    """The order model and its held-out next-commit accuracy."""
+    """The order model and its held-out next-commit accuracy; with `validation` samples, the
+    epoch (0: the untrained model, which is the commit rule's own guess) that predicts them
+    best is kept."""
     model = _init(OrderModel, config, seed)
 
     def batch_loss(idx):
@@ -163,14 +188,23 @@ def train_order_model(
 
     n = train.label.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress)
+    validate = None if validation is None else lambda: next_commit_accuracy(model, validation)
+    scores = _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress, validate)
     metrics = {
         "heldout_next_commit_accuracy": next_commit_accuracy(model, heldout),
         "train_next_commit_accuracy": next_commit_accuracy(model, train),
         "heldout_samples": int(heldout.label.shape[0]),
         "train_samples": int(n),
+        **_selection(scores),
     }
     return model, metrics
+
+
+def _selection(scores: list[float]) -> dict:
+    """What the validation said, for the checkpoint's metadata."""
+    if not scores:
+        return {}
+    return {"validation_by_epoch": scores, "kept_epoch": scores.index(max(scores))}
 
 
 def _set_batch(samples: OrderSamples, idx, hidden: torch.Tensor, embed):
@@ -206,8 +240,10 @@ def train_set_model(
     lr: float = 1e-3,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
+    validation: tuple[OrderSamples, torch.Tensor] | None = None,
 ) -> tuple[SetModel, dict]:
-    """SPOT-Sets: Bernoulli inclusion per masked position; hidden: [S, B, H] per record."""
+    """SPOT-Sets: Bernoulli inclusion per masked position; hidden: [S, B, H] per record.
+    `validation` (samples, their hidden states) selects the epoch as for the order model."""
     model = _init(SetModel, config, seed)
 
     def batch_loss(idx):
@@ -216,11 +252,16 @@ def train_set_model(
 
     n = train.label.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress)
+    validate = None
+    if validation is not None:
+        samples, hidden = validation
+        validate = lambda: set_accuracy(model, samples, hidden, embed)  # noqa: E731
+    scores = _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress, validate)
     metrics = {
         "heldout_exact_set_accuracy": set_accuracy(model, heldout, heldout_hidden, embed),
         "train_exact_set_accuracy": set_accuracy(model, train, train_hidden, embed),
         "heldout_samples": int(heldout.label.shape[0]),
         "train_samples": int(n),
+        **_selection(scores),
     }
     return model, metrics
