@@ -8,9 +8,9 @@ each at the fixed budget (NFE-optimal) and with `auto` (throughput-optimal from 
 forward cost); a perfect order oracle (true next positions, tokens drafted from the stale
 logits like SPOT) with the same budget and with small ones, to show what order prediction
 alone could reach in NFE and in tokens/s; transfer rows (a drafter trained on another bundled
-target, unchanged). With --rule threshold: threshold alone,
-threshold + Spiffy (its graph calibrated on threshold trajectories), threshold + SPOT-Sets, and
-standard 1-token decoding as the baseline.
+target, unchanged; for SPOT-Sets, with its two width projections refit, --adapted-sets).
+With --rule threshold: threshold alone, threshold + Spiffy (its graph calibrated on threshold
+trajectories), threshold + SPOT-Sets, and standard 1-token decoding as the baseline.
 """
 
 from __future__ import annotations
@@ -138,6 +138,12 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--budget", type=int, default=16)
     p.add_argument(
+        "--adapted-sets",
+        default=None,
+        help="threshold rule: the --transfer-from target's SPOT-Sets adapted to this target "
+        "(train-drafter --kind spot-sets --adapt-from ...), for the transfer row",
+    )
+    p.add_argument(
         "--oracle-budgets",
         type=lambda text: [int(b) for b in text.split(",") if b],
         default=[1, 2, 3, 4, 6],
@@ -202,7 +208,10 @@ def bench_target(name: str, args) -> None:
             if source != name:
                 label += f" (from {source})"
             if kind == "spot-sets" and source != name:
-                continue  # the set model's projections are per target width
+                path = args.adapted_sets  # projections are per target width: refit ones
+                if path is None:
+                    continue
+                label = f"SPOT-Sets (adapted from {source})"
             drafter = load_drafter(kind, path, args.budget, target)
             rows.append(run(label, args.budget, target, requests, config, args.batch_size, drafter))
             if source == name:

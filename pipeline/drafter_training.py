@@ -27,9 +27,14 @@ from spot.drafters.order_model import OrderModelConfig
 from spot.drafters.spiffy import calibrate
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.spot_sets import SetModelConfig, SpotSetsDrafter
-from spot.drafters.training import build_samples, train_order_model, train_set_model
+from spot.drafters.training import (
+    adapt_set_model,
+    build_samples,
+    train_order_model,
+    train_set_model,
+)
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
-from spot.models.drafter_files import save_order_model
+from spot.models.drafter_files import load_order_model, save_order_model
 from spot.noise import request_key
 
 
@@ -166,8 +171,19 @@ def record_command(model_path, out, prompts, batch_size, hidden, **kw):
 @click.option("--heldout", default=0.1, show_default=True, help="fraction of blocks held out")
 @click.option("--budget", default=16, show_default=True, help="tree budget of the curve run")
 @click.option("--eval-prompts", default=40, show_default=True, help="held-out prompts")
-def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, eval_prompts):
+@click.option(
+    "--adapt-from",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="spot-sets only: a SPOT-Sets checkpoint trained on another target (any width); "
+    "its network is kept frozen and only the two projections from this target's width train",
+)
+def train_command(
+    kind, trajectories, out, model_path, epochs, heldout, budget, eval_prompts, adapt_from
+):
     """Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories."""
+    if adapt_from is not None and kind != "spot-sets":
+        raise click.UsageError("--adapt-from adapts SPOT-Sets checkpoints (--kind spot-sets)")
     traj = Trajectories.load(trajectories)
     meta = traj.meta
     tokenizer, target = load_model_and_tokenizer(model_path)
@@ -195,6 +211,12 @@ def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, 
         if traj.hidden is None:
             raise click.UsageError("SPOT-Sets needs trajectories recorded with --hidden")
         cfg = SetModelConfig(target_hidden_size=int(meta["hidden_size"]))
+        start = None
+        if adapt_from is not None:
+            source, source_header = load_order_model(adapt_from, "spot-sets")
+            start = adapt_set_model(source, int(meta["hidden_size"]))
+            cfg = start.config
+            adapted = {"path": str(adapt_from), "trained_on": source_header["trained_on"]}
         model, metrics = train_set_model(
             build_samples(train, cfg),
             build_samples(held, cfg),
@@ -205,7 +227,10 @@ def train_command(kind, trajectories, out, model_path, epochs, heldout, budget, 
             epochs,
             progress=progress,
             validation=(build_samples(validation, cfg), validation.hidden),
+            model=start,
         )
+        if adapt_from is not None:
+            metrics["adapted_from"] = adapted
         drafter = SpotSetsDrafter(model, target.embed, budget)
     bar.close()
     config = DecodingConfig(

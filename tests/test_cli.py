@@ -105,3 +105,42 @@ def test_submit_then_report(job_file: Path):
 def test_report_needs_a_summary(tmp_path: Path):
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code != 0 and "no summary.json" in result.output
+
+
+def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
+    """The reproducible drafter commands on a bundled target: threshold trajectories with
+    hidden states, a SPOT-Sets model adapted from another target's (another width), and a
+    Spiffy graph whose acceptance the calibration counts predict."""
+    from spot.builtin import builtin_drafter
+    from spot.drafters.spiffy import DraftGraph
+    from spot.models.drafter_files import read_header
+
+    runner = CliRunner()
+    traj = tmp_path / "nano.pt"
+    decoding = ["--block-length", "16", "--gen-length", "32"]
+    threshold = [*decoding, "--rule", "threshold", "--threshold", "0.9"]
+    args = ["record-trajectories", "--model", "builtin:sdar-nano", "--out", str(traj)]
+    result = runner.invoke(main, [*args, "--prompts", "24", "--hidden", *threshold])
+    assert result.exit_code == 0, result.output
+    source = builtin_drafter("sdar-tiny", "spot-sets", 16, "threshold")  # width 192 -> 128
+    out = tmp_path / "sets.safetensors"
+    train = ["train-drafter", "--kind", "spot-sets", "--trajectories", str(traj)]
+    train += ["--model", "builtin:sdar-nano", "--out", str(out), "--epochs", "3"]
+    train += ["--budget", "4", "--eval-prompts", "4", "--adapt-from", str(source)]
+    result = runner.invoke(main, train)
+    assert result.exit_code == 0, result.output
+    header = read_header(out)
+    assert header["config"]["target_hidden_size"] == 128
+    assert header["metrics"]["adapted_from"]["trained_on"]["model"] == "builtin:sdar-tiny"
+    assert len(header["metrics"]["validation_by_epoch"]) == 4
+    assert header["acceptance_curve"]["steps_per_forward"][0] == 1.0
+    result = runner.invoke(main, [*train[:2], "spot", *train[3:]])
+    assert result.exit_code != 0 and "--adapt-from adapts SPOT-Sets" in result.output
+    graph_file = tmp_path / "graph.json"
+    calibrate = ["calibrate-spiffy", "--trajectories", str(traj), "--out", str(graph_file)]
+    result = runner.invoke(main, [*calibrate, "--budget", "4"])
+    assert result.exit_code == 0, result.output
+    graph = DraftGraph.load(graph_file)
+    assert graph.meta["rule"] == "threshold" and len(graph.paths) <= 4
+    curve = graph.acceptance_curve([0, len(graph.paths)])
+    assert curve.steps_per_forward[0] == 1.0 <= curve.steps_per_forward[1]

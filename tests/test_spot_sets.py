@@ -6,7 +6,7 @@ import torch
 from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.spot_sets import SetModel, SetModelConfig, SpotSetsDrafter, likely_sets
-from spot.drafters.training import build_samples, train_set_model
+from spot.drafters.training import adapt_set_model, build_samples, train_set_model
 from spot.drafters.trajectory import TrajectoryRecorder
 from tests.test_spot_drafter import requests
 from tests.toy import ToyTarget
@@ -89,3 +89,70 @@ def test_spot_sets_rejects_the_static_rule():
     drafter = SpotSetsDrafter(SetModel(SMALL), target.embed, budget=2)
     with pytest.raises(ValueError, match="threshold"):
         generate(target, requests(1, seed=0), DecodingConfig(16, 8), drafter=drafter)
+
+
+class WideToy(ToyTarget):
+    hidden_size = 12
+
+
+def _threshold_trajectories(target, reqs, config):
+    rec = TrajectoryRecorder([r.key for r in reqs], 8, target.mask_id, record_hidden=True)
+    generate(target, reqs, config, trace=rec)
+    meta = {
+        "steps_per_block": 8,
+        "temperature": config.temperature,
+        "seed": config.seed,
+        "confidence": target.confidence,
+        "vocab_size": target.vocab_size,
+    }
+    return rec.result(meta)
+
+
+def test_a_set_model_adapts_to_another_width_by_training_its_projections_alone():
+    config = DecodingConfig(gen_length=32, block_length=8, rule="threshold", threshold=0.7)
+    wide = WideToy(seed=3, sharpness=4.0)
+    source_traj = _threshold_trajectories(wide, requests(16, seed=5), config)
+    wide_config = SetModelConfig(**{**SMALL.to_dict(), "target_hidden_size": 12})
+    source, _ = train_set_model(
+        *(build_samples(t, wide_config) for t in source_traj.split(0.25)),
+        *(t.hidden for t in source_traj.split(0.25)),
+        wide.embed,
+        wide_config,
+        epochs=2,
+        batch_size=32,
+    )
+    target = ToyTarget(seed=3, sharpness=4.0)
+    adapted = adapt_set_model(source, target.hidden_size)
+    assert adapted.config.target_hidden_size == 8
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == {
+        f"{m}.{p}" for m in ("hidden_proj", "token_proj") for p in ("weight", "bias")
+    }
+    shared = {
+        k: v.clone()
+        for k, v in adapted.state_dict().items()
+        if k.split(".")[0] not in ("hidden_proj", "token_proj")
+    }
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in shared.items())
+
+    traj = _threshold_trajectories(target, requests(24, seed=6), config)
+    train, held = traj.split(0.25)
+    model, _ = train_set_model(
+        build_samples(train, adapted.config),
+        build_samples(held, adapted.config),
+        train.hidden,
+        held.hidden,
+        target.embed,
+        adapted.config,
+        epochs=3,
+        batch_size=32,
+        model=adapted,
+    )
+    assert model is adapted
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in shared.items())
+    assert model.hidden_proj.weight.abs().sum() > 0 and model.token_proj.weight.abs().sum() > 0
+    test = requests(6, seed=9, offset=100)
+    plain = generate(target, test, config)
+    drafted = generate(target, test, config, drafter=SpotSetsDrafter(model, target.embed, 6))
+    assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+    assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)

@@ -8,6 +8,7 @@ depth j of a tree grown from the stale logits of record i.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,7 +116,8 @@ def _fit(
     With `validate` (a score, higher is better), the model is scored before training and
     after every epoch and the best of those states is kept: a few hundred blocks of
     trajectories are easy to overfit. Returns the scores, index 0 before training."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.01)
     total = epochs * max(1, -(-samples // batch_size))
     if total < 3:
         raise ValueError(
@@ -147,7 +149,7 @@ def _fit(
             loss = batch_loss(order[s : s + batch_size])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             opt.step()
             sched.step()
             step += 1
@@ -228,6 +230,24 @@ def set_accuracy(model, samples: OrderSamples, hidden, embed, batch: int = 2048)
     return hits / max(1, n)
 
 
+PROJECTIONS = ("hidden_proj.", "token_proj.")  # the set model's only per-target-width parts
+
+
+def adapt_set_model(source: SetModel, target_hidden_size: int, seed: int = 0) -> SetModel:
+    """A set model for a target of another width: the source's shared network, frozen, with
+    new projections from the new width (weights zero, biases kept: the untrained adaptation
+    reads the order features alone), the only parameters left to train."""
+    config = dataclasses.replace(source.config, target_hidden_size=target_hidden_size)
+    model = _init(SetModel, config, seed)
+    state = source.state_dict()
+    for name in PROJECTIONS:
+        state[name + "weight"] = torch.zeros_like(model.state_dict()[name + "weight"])
+    model.load_state_dict(state)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith(PROJECTIONS))
+    return model
+
+
 def train_set_model(
     train: OrderSamples,
     heldout: OrderSamples,
@@ -241,10 +261,12 @@ def train_set_model(
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
     validation: tuple[OrderSamples, torch.Tensor] | None = None,
+    model: SetModel | None = None,
 ) -> tuple[SetModel, dict]:
     """SPOT-Sets: Bernoulli inclusion per masked position; hidden: [S, B, H] per record.
-    `validation` (samples, their hidden states) selects the epoch as for the order model."""
-    model = _init(SetModel, config, seed)
+    `validation` (samples, their hidden states) selects the epoch as for the order model.
+    `model` continues from a given model (`adapt_set_model`); its frozen parameters stay."""
+    model = _init(SetModel, config, seed) if model is None else model
 
     def batch_loss(idx):
         feats, h, e, m = _set_batch(train, idx, train_hidden, embed)
