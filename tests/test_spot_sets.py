@@ -156,3 +156,22 @@ def test_a_set_model_adapts_to_another_width_by_training_its_projections_alone()
     drafted = generate(target, test, config, drafter=SpotSetsDrafter(model, target.embed, 6))
     assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
+
+
+def test_untrained_set_model_proposes_the_stale_thresholded_set_first():
+    from spot.drafters.order_model import order_features
+
+    k = SMALL.top_k
+    conf = torch.tensor([[0.95, 0.5, 0.99, 0.89, 0.2]], dtype=torch.float64)
+    top = torch.full((1, 5, k), float("-inf"))
+    top[..., 0] = conf.log().float()
+    masked = torch.tensor([[True, True, True, True, False]])
+    feats = order_features(
+        top, masked, torch.zeros_like(masked), conf, torch.zeros(1), torch.ones(1), SMALL
+    )
+    model = SetModel(SMALL).eval()
+    with torch.no_grad():
+        logits = model(feats, torch.randn(1, 5, 8), torch.randn(1, 5, 8), masked, 0.9)[0]
+    sets = likely_sets(logits, masked[0], count=2, max_flips=8)
+    assert sets[0][1] == (0, 2)  # 0.95 and 0.99 pass 0.9
+    assert sets[1][1] == (0, 2, 3)  # 0.89 is the nearest miss

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spot.drafters.order_model import OrderModelConfig
+from spot.drafters.order_model import DOUBT_SCALE, OrderModelConfig
 from spot.drafters.spot import BestFirstDrafter
 
 
@@ -29,8 +29,12 @@ class SetModelConfig(OrderModelConfig):
 
 
 class SetModel(nn.Module):
-    """(features [N,B,F], hidden [N,B,H], token embeddings [N,B,H], masked [N,B])
-    -> inclusion logits [N, B] (-inf where not masked)."""
+    """(features [N,B,F], hidden [N,B,H], token embeddings [N,B,H], masked [N,B], threshold)
+    -> inclusion logits [N, B] (-inf where not masked).
+
+    Like the order model, a learned correction on top of the rule's own guess: the stale
+    confidence's log-odds against the threshold's (a position passes the threshold if its
+    distribution does not move). The correction head starts at zero."""
 
     def __init__(self, config: SetModelConfig):
         super().__init__()
@@ -46,8 +50,11 @@ class SetModel(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.prior_scale = nn.Parameter(torch.tensor(1.0))
 
-    def forward(self, features, hidden, token_embeddings, masked):
+    def forward(self, features, hidden, token_embeddings, masked, threshold: float):
         b = features.shape[1]
         h = (
             self.input(features)
@@ -56,6 +63,11 @@ class SetModel(nn.Module):
             + self.position(torch.arange(b, device=features.device))
         )
         logits = self.head(self.norm(self.encoder(h))).squeeze(-1)
+        k = self.config.top_k
+        conf = features[..., k + 2].clamp(1e-7, 1.0)
+        doubt = features[..., self.config.log_doubt_index] * DOUBT_SCALE  # log(1 - conf)
+        log_odds = conf.log() - doubt - math.log(threshold / (1.0 - threshold))
+        logits = logits + self.prior_scale * log_odds
         return logits.masked_fill(~masked, float("-inf"))
 
 
@@ -122,8 +134,9 @@ class SpotSetsDrafter(BestFirstDrafter):
             hidden.append(g.inp.stale_hidden[None].float())
             tokens, _ = g.inp.draw(g.nodes[n].step)
             token_emb.append(self.embed(tokens)[None].float())
+        threshold = frontier[0][0].inp.config.threshold
         return self.model(
-            torch.cat(feats), torch.cat(hidden), torch.cat(token_emb), torch.cat(masks)
+            torch.cat(feats), torch.cat(hidden), torch.cat(token_emb), torch.cat(masks), threshold
         )
 
     def _moves_from(self, g, n, row):

@@ -37,6 +37,7 @@ class OrderSamples:
     label: torch.Tensor  # [N, B] bool, positions committed next
     stale_index: torch.Tensor  # [N] record of the stale forward (for its hidden states)
     token_ids: torch.Tensor  # [N, B] tokens the coupled noise draws at the hypothesis step
+    threshold: float  # the threshold rule's confidence bar the trajectories were decoded with
 
 
 def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
@@ -80,7 +81,8 @@ def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
         (hyp - stale).float(),
         config,
     )
-    return OrderSamples(features, masked, traj.committed[hyp], stale, token_ids)
+    threshold = float(meta.get("threshold", 0.9))
+    return OrderSamples(features, masked, traj.committed[hyp], stale, token_ids, threshold)
 
 
 def committed_log_likelihood(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -226,7 +228,8 @@ def set_accuracy(model, samples: OrderSamples, hidden, embed, batch: int = 2048)
     for s in range(0, n, batch):
         idx = torch.arange(s, min(n, s + batch))
         feats, h, e, m = _set_batch(samples, idx, hidden, embed)
-        hits += exact_set_accuracy(model(feats, h, e, m), samples.label[idx], m) * len(idx)
+        logits = model(feats, h, e, m, samples.threshold)
+        hits += exact_set_accuracy(logits, samples.label[idx], m) * len(idx)
     return hits / max(1, n)
 
 
@@ -270,7 +273,8 @@ def train_set_model(
 
     def batch_loss(idx):
         feats, h, e, m = _set_batch(train, idx, train_hidden, embed)
-        return -set_log_likelihood(model(feats, h, e, m), train.label[idx], m).mean()
+        logits = model(feats, h, e, m, train.threshold)
+        return -set_log_likelihood(logits, train.label[idx], m).mean()
 
     n = train.label.shape[0]
     generator = torch.Generator().manual_seed(seed)
