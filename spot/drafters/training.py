@@ -156,7 +156,7 @@ def _fit(
             sched.step()
             step += 1
             if progress is not None:
-                progress(step, total, float(loss))
+                progress(step, total, loss.detach().item())
         checkpoint()
     if best:
         model.load_state_dict(best)
