@@ -158,11 +158,18 @@ def test_a_set_model_adapts_to_another_width_by_training_its_projections_alone()
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
 
 
-def test_untrained_set_model_proposes_the_stale_thresholded_set_first():
+@pytest.mark.parametrize(
+    "confidences,first,second",
+    [
+        ([0.95, 0.5, 0.99, 0.89, 0.2], (0, 2), (0, 2, 3)),  # 0.95, 0.99 pass; 0.89 nearly
+        ([0.5, 0.3, 0.7, 0.2, 0.9], (2,), (0, 2)),  # none passes: the most confident alone
+    ],
+)
+def test_untrained_set_model_proposes_the_stale_thresholded_set_first(confidences, first, second):
     from spot.drafters.order_model import order_features
 
     k = SMALL.top_k
-    conf = torch.tensor([[0.95, 0.5, 0.99, 0.89, 0.2]], dtype=torch.float64)
+    conf = torch.tensor([confidences], dtype=torch.float64)
     top = torch.full((1, 5, k), float("-inf"))
     top[..., 0] = conf.log().float()
     masked = torch.tensor([[True, True, True, True, False]])
@@ -173,5 +180,4 @@ def test_untrained_set_model_proposes_the_stale_thresholded_set_first():
     with torch.no_grad():
         logits = model(feats, torch.randn(1, 5, 8), torch.randn(1, 5, 8), masked, 0.9)[0]
     sets = likely_sets(logits, masked[0], count=2, max_flips=8)
-    assert sets[0][1] == (0, 2)  # 0.95 and 0.99 pass 0.9
-    assert sets[1][1] == (0, 2, 3)  # 0.89 is the nearest miss
+    assert [s for _, s in sets] == [first, second]

@@ -34,7 +34,10 @@ class SetModel(nn.Module):
 
     Like the order model, a learned correction on top of the rule's own guess: the stale
     confidence's log-odds against the threshold's (a position passes the threshold if its
-    distribution does not move). The correction head starts at zero."""
+    distribution does not move), plus a learned bonus for the most confident masked position
+    (the rule commits it even when nothing passes, which is most steps below the first: the
+    stale forward's own passing positions are committed already). The correction head starts
+    at zero."""
 
     def __init__(self, config: SetModelConfig):
         super().__init__()
@@ -53,6 +56,7 @@ class SetModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         self.prior_scale = nn.Parameter(torch.tensor(1.0))
+        self.first_bonus = nn.Parameter(torch.tensor(4.0))
 
     def forward(self, features, hidden, token_embeddings, masked, threshold: float):
         b = features.shape[1]
@@ -67,7 +71,8 @@ class SetModel(nn.Module):
         conf = features[..., k + 2].clamp(1e-7, 1.0)
         doubt = features[..., self.config.log_doubt_index] * DOUBT_SCALE  # log(1 - conf)
         log_odds = conf.log() - doubt - math.log(threshold / (1.0 - threshold))
-        logits = logits + self.prior_scale * log_odds
+        first = (features[..., k + 3] == 0) & masked  # confidence rank 0
+        logits = logits + self.prior_scale * log_odds + self.first_bonus * first
         return logits.masked_fill(~masked, float("-inf"))
 
 
