@@ -124,6 +124,7 @@ class AutoBudget:
 
     def __init__(self, drafter, curve: AcceptanceCurve, cost: ForwardCost, probe_calls: int = 4):
         self.drafter = drafter
+        self.needs_hidden = getattr(drafter, "needs_hidden", False)  # SPOT-Sets reads them
         self.curve = curve
         self.cost = cost
         self.probe_calls = probe_calls

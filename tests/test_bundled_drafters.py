@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
-from spot.budget import AutoBudget, measure_forward_cost
+from spot.budget import AutoBudget, ForwardCost, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
@@ -47,19 +47,22 @@ def test_shipped_drafter_is_lossless(bundled, kind, rule, block_length, temperat
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
 
 
-@pytest.mark.parametrize("kind", ["spot", "spiffy"])
-def test_auto_budget_of_a_shipped_drafter_is_lossless(bundled, kind):
+@pytest.mark.parametrize(("kind", "rule"), DRAFTERS)
+def test_auto_budget_of_a_shipped_drafter_is_lossless(bundled, kind, rule):
     name, target, requests = bundled
-    config = DecodingConfig(gen_length=64, block_length=32)
-    path = builtin_drafter(name, kind, 32)
+    config = DecodingConfig(gen_length=64, block_length=32, rule=rule)
+    path = builtin_drafter(name, kind, 32, rule)
     curve = acceptance_curve(kind, path)
     assert curve.budgets[0] == 0 and curve.steps_per_forward[0] == 1.0
     assert list(curve.steps_per_forward) == sorted(curve.steps_per_forward)
     cost = measure_forward_cost(target, 32, 64, [1, 2, 4, 8, 17])
-    auto = AutoBudget(load_drafter(kind, path, max(curve.budgets), target), curve, cost)
+    free = ForwardCost(cost.states, tuple(cost.seconds[0] for _ in cost.states))
+    drafter = load_drafter(kind, path, max(curve.budgets), target)
+    auto = AutoBudget(drafter, curve, free, probe_calls=10**9)  # no re-pricing by time
     plain = generate(target, requests, config)
     drafted = generate(target, requests[:1], config, drafter=auto)
     drafted += generate(target, requests[1:], config, drafter=auto)
     assert set(auto.chosen) == {1, 2} and set(auto.chosen.values()) <= set(curve.budgets)
+    assert auto.chosen[1] > 0  # wider forwards priced free here: the drafter does draft
     for a, b in zip(plain, drafted, strict=True):
         assert torch.equal(a.tokens, b.tokens)
