@@ -132,7 +132,7 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     header = read_header(out)
     assert header["config"]["target_hidden_size"] == 128
     assert header["metrics"]["adapted_from"]["trained_on"]["model"] == "builtin:sdar-tiny"
-    assert len(header["metrics"]["validation_by_epoch"]) == 4
+    assert len(header["metrics"]["validation_log_likelihood_by_epoch"]) == 4
     assert header["acceptance_curve"]["steps_per_forward"][0] == 1.0
     result = runner.invoke(main, [*train[:2], "spot", *train[3:]])
     assert result.exit_code != 0 and "--adapt-from adapts SPOT-Sets" in result.output

@@ -102,6 +102,17 @@ def next_commit_accuracy(model: OrderModel, samples: OrderSamples, batch: int = 
     return hits / max(1, samples.label.shape[0])
 
 
+@torch.no_grad()
+def order_log_likelihood(model: OrderModel, samples: OrderSamples, batch: int = 4096) -> float:
+    """Mean log-probability of the committed positions: how well the model's probabilities,
+    which score every path of a draft tree, are calibrated."""
+    total = 0.0
+    for s in range(0, samples.label.shape[0], batch):
+        logits = model(samples.features[s : s + batch], samples.masked[s : s + batch])
+        total += float(committed_log_likelihood(logits, samples.label[s : s + batch]).sum())
+    return total / max(1, samples.label.shape[0])
+
+
 def _fit(
     model: torch.nn.Module,
     samples: int,
@@ -182,8 +193,8 @@ def train_order_model(
     validation: OrderSamples | None = None,
 ) -> tuple[OrderModel, dict]:
     """The order model and its held-out next-commit accuracy; with `validation` samples, the
-    epoch (0: the untrained model, which is the commit rule's own guess) that predicts them
-    best is kept."""
+    epoch (0: the untrained model, which is the commit rule's own guess) whose probabilities
+    fit them best (log-likelihood: the tree is grown from those probabilities) is kept."""
     model = _init(OrderModel, config, seed)
 
     def batch_loss(idx):
@@ -192,7 +203,7 @@ def train_order_model(
 
     n = train.label.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    validate = None if validation is None else lambda: next_commit_accuracy(model, validation)
+    validate = None if validation is None else lambda: order_log_likelihood(model, validation)
     scores = _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress, validate)
     metrics = {
         "heldout_next_commit_accuracy": next_commit_accuracy(model, heldout),
@@ -208,7 +219,7 @@ def _selection(scores: list[float]) -> dict:
     """What the validation said, for the checkpoint's metadata."""
     if not scores:
         return {}
-    return {"validation_by_epoch": scores, "kept_epoch": scores.index(max(scores))}
+    return {"validation_log_likelihood_by_epoch": scores, "kept_epoch": scores.index(max(scores))}
 
 
 def _set_batch(samples: OrderSamples, idx, hidden: torch.Tensor, embed):
@@ -234,6 +245,20 @@ def set_accuracy(model, samples: OrderSamples, hidden, embed, batch: int = 2048)
 
 
 PROJECTIONS = ("hidden_proj.", "token_proj.")  # the set model's only per-target-width parts
+
+
+@torch.no_grad()
+def set_log_likelihood_of(model, samples: OrderSamples, hidden, embed, batch: int = 2048) -> float:
+    """Mean per-sample Bernoulli log-likelihood of the committed sets (calibration, as for
+    the order model)."""
+    total = 0.0
+    n = samples.label.shape[0]
+    for s in range(0, n, batch):
+        idx = torch.arange(s, min(n, s + batch))
+        feats, h, e, m = _set_batch(samples, idx, hidden, embed)
+        logits = model(feats, h, e, m, samples.threshold)
+        total += float(set_log_likelihood(logits, samples.label[idx], m).sum())
+    return total / max(1, n)
 
 
 def adapt_set_model(source: SetModel, target_hidden_size: int, seed: int = 0) -> SetModel:
@@ -281,7 +306,7 @@ def train_set_model(
     validate = None
     if validation is not None:
         samples, hidden = validation
-        validate = lambda: set_accuracy(model, samples, hidden, embed)  # noqa: E731
+        validate = lambda: set_log_likelihood_of(model, samples, hidden, embed)  # noqa: E731
     scores = _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress, validate)
     metrics = {
         "heldout_exact_set_accuracy": set_accuracy(model, heldout, heldout_hidden, embed),
