@@ -103,23 +103,42 @@ def measure_forward_cost(
 
 
 def choose_budget(
-    curve: AcceptanceCurve, cost: ForwardCost, batch_size: int, seconds_per_node: float = 0.0
+    curve: AcceptanceCurve,
+    cost: ForwardCost,
+    batch_size: int,
+    drafting: DraftingCost | None = None,
 ) -> int:
-    """The budget with the most expected steps per second for `batch_size` requests; drafting
-    costs `seconds_per_node` per drafted node on top of the forward."""
+    """The budget with the most expected steps per second for `batch_size` requests; the
+    drafter's own seconds per proposal (`drafting`) come on top of the forward."""
     rate = {
-        d: s / (cost(batch_size * (d + 1)) + batch_size * d * seconds_per_node)
+        d: s / (cost(batch_size * (d + 1)) + (drafting(d, batch_size) if drafting and d else 0.0))
         for d, s in zip(curve.budgets, curve.steps_per_forward)
     }
     return max(rate, key=lambda d: (rate[d], -d))
+
+
+@dataclass(frozen=True)
+class DraftingCost:
+    """Seconds of one proposal for a batch, measured at one budget. A drafter's time has a
+    fixed part per call (its model runs once per round, whatever the round's width), so a
+    smaller budget is priced like the measured one (never cheaper) and a larger one in
+    proportion to its nodes."""
+
+    budget: int
+    batch_size: int
+    seconds: float
+
+    def __call__(self, budget: int, batch_size: int) -> float:
+        scale = max(1.0, budget / self.budget) * batch_size / self.batch_size
+        return self.seconds * scale
 
 
 class AutoBudget:
     """Wraps a drafter whose `budget` attribute sets its tree size (SPOT) and picks that
     budget per batch size from the acceptance curve and the measured forward cost.
 
-    The drafter's own time counts too: after `probe_calls` proposals at the first choice, its
-    median seconds per drafted node join the cost and the choice is made once more (so a
+    The drafter's own time counts too: after `probe_calls` proposals at the first choice, their
+    median seconds join the cost (`DraftingCost`) and the choice is made once more (so a
     drafter slower than the forwards it saves ends at budget 0)."""
 
     def __init__(self, drafter, curve: AcceptanceCurve, cost: ForwardCost, probe_calls: int = 4):
@@ -129,7 +148,7 @@ class AutoBudget:
         self.cost = cost
         self.probe_calls = probe_calls
         self.chosen: dict[int, int] = {}
-        self.probes: dict[int, list[float]] = {}  # batch size -> seconds per drafted node
+        self.probes: dict[int, list[float]] = {}  # batch size -> seconds per proposal
 
     def propose(self, inputs):
         n = len(inputs)
@@ -141,8 +160,8 @@ class AutoBudget:
         trees = self.drafter.propose(inputs)
         probes = self.probes.setdefault(n, [])
         if budget and len(probes) < self.probe_calls:
-            probes.append((time.perf_counter() - start) / (n * budget))
+            probes.append(time.perf_counter() - start)
             if len(probes) == self.probe_calls:
-                per_node = statistics.median(probes)
-                self.chosen[n] = choose_budget(self.curve, self.cost, n, per_node)
+                drafting = DraftingCost(budget, n, statistics.median(probes))
+                self.chosen[n] = choose_budget(self.curve, self.cost, n, drafting)
         return trees

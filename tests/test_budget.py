@@ -2,11 +2,13 @@
 
 import time
 
+import pytest
 import torch
 
 from spot.budget import (
     AcceptanceCurve,
     AutoBudget,
+    DraftingCost,
     ForwardCost,
     acceptance_curve,
     choose_budget,
@@ -76,3 +78,14 @@ def test_auto_budget_counts_the_drafters_own_time():
     assert [auto.propose([None])[0] for _ in range(3)] == [7, 7, 7]
     auto = AutoBudget(SlowDrafter(0.01), curve, free_forwards, probe_calls=2)
     assert [auto.propose([None])[0] for _ in range(3)] == [7, 7, 0]
+
+
+def test_drafting_is_priced_per_call_never_cheaper_for_a_smaller_budget():
+    measured = DraftingCost(budget=7, batch_size=1, seconds=0.02)
+    assert measured(1, 1) == measured(7, 1) == 0.02  # one model call either way
+    assert measured(14, 2) == pytest.approx(0.08)  # twice the nodes, twice the requests
+    curve = AcceptanceCurve((0, 1, 3, 7), (1.0, 1.8, 2.6, 3.2))
+    flat = ForwardCost((1, 64), (0.01, 0.01))
+    # per node (0.02 / 7) budget 1 would look best (1.8 / 0.0129); per call it is the worst
+    assert choose_budget(curve, flat, 1, measured) == 7  # 3.2 / 0.03 beats 1 / 0.01
+    assert choose_budget(curve, flat, 1, DraftingCost(7, 1, 0.03)) == 0  # 3.2 / 0.04 < 100
