@@ -4,10 +4,16 @@
 # (static rule), calibrate Spiffy (static and threshold rules) and train SPOT-Sets (threshold
 # rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
-# The shipped files were made with (one thread each, a few minutes per target and block):
-#   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=200 EPOCHS=2 bash scripts/train_bundled_drafters.sh
-#   TARGETS="sdar-nano llada-tiny" BLOCKS="16 32" PROMPTS=150 EPOCHS=2 bash ...
-# except llada-tiny's block-16 SPOT-Sets, trained on 800 prompts' threshold trajectories.
+# The shipped files were made with (OMP_NUM_THREADS=1, two of these side by side; sdar-tiny's
+# block-32 SPOT takes 27 min, the others 3-10 min per target and block):
+#   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=600 THRESHOLD_PROMPTS=800 EPOCHS=6 bash ...
+#   TARGETS="sdar-nano llada-tiny" BLOCKS="16 32" PROMPTS=300 THRESHOLD_PROMPTS=800 EPOCHS=4 ...
+# (SPOT-Sets with EPOCHS=6 for every target.) The transfer row of the threshold benchmark
+# adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
+#   .venv/bin/spot-pipeline train-drafter --kind spot-sets --epochs 6 \
+#     --trajectories build/drafters/sdar-tiny-b32-threshold.pt --model builtin:sdar-tiny \
+#     --adapt-from spot/builtin/drafters/sdar-nano/spot-sets-b32-threshold.safetensors \
+#     --out build/drafters/sdar-tiny-sets-b32-from-sdar-nano.safetensors
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-pipeline
