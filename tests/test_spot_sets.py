@@ -159,13 +159,16 @@ def test_a_set_model_adapts_to_another_width_by_training_its_projections_alone()
 
 
 @pytest.mark.parametrize(
-    "confidences,first,second",
+    "confidences,threshold,first,second",
     [
-        ([0.95, 0.5, 0.99, 0.89, 0.2], (0, 2), (0, 2, 3)),  # 0.95, 0.99 pass; 0.89 nearly
-        ([0.5, 0.3, 0.7, 0.2, 0.9], (2,), (0, 2)),  # none passes: the most confident alone
+        ([0.95, 0.5, 0.99, 0.89, 0.2], 0.9, (0, 2), (0, 2, 3)),  # 0.95, 0.99 pass; 0.89 nearly
+        ([0.5, 0.3, 0.7, 0.2, 0.9], 0.9, (2,), (0, 2)),  # none passes: the most confident alone
+        ([0.95, 0.5, 0.99, 0.89, 0.2], 1.0, (2,), (0,)),  # a bar of 1 passes nothing
     ],
 )
-def test_untrained_set_model_proposes_the_stale_thresholded_set_first(confidences, first, second):
+def test_untrained_set_model_proposes_the_stale_thresholded_set_first(
+    confidences, threshold, first, second
+):
     from spot.drafters.order_model import order_features
 
     k = SMALL.top_k
@@ -178,6 +181,6 @@ def test_untrained_set_model_proposes_the_stale_thresholded_set_first(confidence
     )
     model = SetModel(SMALL).eval()
     with torch.no_grad():
-        logits = model(feats, torch.randn(1, 5, 8), torch.randn(1, 5, 8), masked, 0.9)[0]
+        logits = model(feats, torch.randn(1, 5, 8), torch.randn(1, 5, 8), masked, threshold)[0]
     sets = likely_sets(logits, masked[0], count=2, max_flips=8)
     assert [s for _, s in sets] == [first, second]

@@ -36,6 +36,16 @@ class OrderModelConfig:
         return self.top_k + 7
 
     @property
+    def confidence_index(self) -> int:
+        """Feature index of the coupled-noise confidence."""
+        return self.top_k + 2
+
+    @property
+    def rank_index(self) -> int:
+        """Feature index of the confidence rank / block length (0: the most confident)."""
+        return self.top_k + 3
+
+    @property
     def log_doubt_index(self) -> int:
         """Feature index of log(1 - confidence) / DOUBT_SCALE."""
         return self.top_k + 4

@@ -67,11 +67,12 @@ class SetModel(nn.Module):
             + self.position(torch.arange(b, device=features.device))
         )
         logits = self.head(self.norm(self.encoder(h))).squeeze(-1)
-        k = self.config.top_k
-        conf = features[..., k + 2].clamp(1e-7, 1.0)
-        doubt = features[..., self.config.log_doubt_index] * DOUBT_SCALE  # log(1 - conf)
-        log_odds = conf.log() - doubt - math.log(threshold / (1.0 - threshold))
-        first = (features[..., k + 3] == 0) & masked  # confidence rank 0
+        c = self.config
+        conf = features[..., c.confidence_index].clamp(1e-7, 1.0)
+        doubt = features[..., c.log_doubt_index] * DOUBT_SCALE  # log(1 - conf)
+        bar = min(max(threshold, 1e-6), 1.0 - 1e-6)  # a threshold of 1 passes nothing
+        log_odds = conf.log() - doubt - math.log(bar / (1.0 - bar))
+        first = (features[..., c.rank_index] == 0) & masked
         logits = logits + self.prior_scale * log_odds + self.first_bonus * first
         return logits.masked_fill(~masked, float("-inf"))
 
