@@ -155,7 +155,8 @@ class AutoBudget:
         if n not in self.chosen:
             self.chosen[n] = choose_budget(self.curve, self.cost, n)
         budget = self.chosen[n]
-        self.drafter.budget = budget
+        if self.drafter.budget != budget:  # Spiffy rebuilds its graph on every assignment
+            self.drafter.budget = budget
         start = time.perf_counter()
         trees = self.drafter.propose(inputs)
         probes = self.probes.setdefault(n, [])

@@ -92,25 +92,32 @@ def committed_log_likelihood(logits: torch.Tensor, label: torch.Tensor) -> torch
 
 
 @torch.no_grad()
+def _batch_mean(samples: OrderSamples, batch: int, total: Callable[[torch.Tensor], float]) -> float:
+    """Mean over samples of a score that `total(indices)` sums over one batch of them."""
+    n = samples.label.shape[0]
+    summed = sum(total(torch.arange(s, min(n, s + batch))) for s in range(0, n, batch))
+    return summed / max(1, n)
+
+
 def next_commit_accuracy(model: OrderModel, samples: OrderSamples, batch: int = 4096) -> float:
     """Fraction of samples whose most likely position is one the target commits next."""
-    hits = 0
-    for s in range(0, samples.label.shape[0], batch):
-        logits = model(samples.features[s : s + batch], samples.masked[s : s + batch])
-        best = logits.argmax(dim=-1)
-        hits += int(samples.label[s : s + batch].gather(1, best[:, None]).sum())
-    return hits / max(1, samples.label.shape[0])
+
+    def hits(idx):
+        best = model(samples.features[idx], samples.masked[idx]).argmax(dim=-1)
+        return int(samples.label[idx].gather(1, best[:, None]).sum())
+
+    return _batch_mean(samples, batch, hits)
 
 
-@torch.no_grad()
 def order_log_likelihood(model: OrderModel, samples: OrderSamples, batch: int = 4096) -> float:
     """Mean log-probability of the committed positions: how well the model's probabilities,
     which score every path of a draft tree, are calibrated."""
-    total = 0.0
-    for s in range(0, samples.label.shape[0], batch):
-        logits = model(samples.features[s : s + batch], samples.masked[s : s + batch])
-        total += float(committed_log_likelihood(logits, samples.label[s : s + batch]).sum())
-    return total / max(1, samples.label.shape[0])
+
+    def total(idx):
+        logits = model(samples.features[idx], samples.masked[idx])
+        return float(committed_log_likelihood(logits, samples.label[idx]).sum())
+
+    return _batch_mean(samples, batch, total)
 
 
 def _fit(
@@ -222,43 +229,42 @@ def _selection(scores: list[float]) -> dict:
     return {"validation_log_likelihood_by_epoch": scores, "kept_epoch": scores.index(max(scores))}
 
 
-def _set_batch(samples: OrderSamples, idx, hidden: torch.Tensor, embed):
-    return (
+def _set_logits(model, samples: OrderSamples, idx, hidden: torch.Tensor, embed):
+    """The set model's logits [n, B] for samples `idx`, and their masks [n, B]; hidden:
+    [S, B, H] per record."""
+    masked = samples.masked[idx]
+    logits = model(
         samples.features[idx],
         hidden[samples.stale_index[idx]].float(),
         embed(samples.token_ids[idx].long()).float(),
-        samples.masked[idx],
+        masked,
+        samples.threshold,
     )
+    return logits, masked
 
 
-@torch.no_grad()
 def set_accuracy(model, samples: OrderSamples, hidden, embed, batch: int = 2048) -> float:
     """Fraction of samples whose most likely set is exactly the committed set."""
-    hits = 0.0
-    n = samples.label.shape[0]
-    for s in range(0, n, batch):
-        idx = torch.arange(s, min(n, s + batch))
-        feats, h, e, m = _set_batch(samples, idx, hidden, embed)
-        logits = model(feats, h, e, m, samples.threshold)
-        hits += exact_set_accuracy(logits, samples.label[idx], m) * len(idx)
-    return hits / max(1, n)
+
+    def hits(idx):
+        logits, m = _set_logits(model, samples, idx, hidden, embed)
+        return exact_set_accuracy(logits, samples.label[idx], m) * len(idx)
+
+    return _batch_mean(samples, batch, hits)
 
 
-PROJECTIONS = ("hidden_proj.", "token_proj.")  # the set model's only per-target-width parts
-
-
-@torch.no_grad()
 def set_log_likelihood_of(model, samples: OrderSamples, hidden, embed, batch: int = 2048) -> float:
     """Mean per-sample Bernoulli log-likelihood of the committed sets (calibration, as for
     the order model)."""
-    total = 0.0
-    n = samples.label.shape[0]
-    for s in range(0, n, batch):
-        idx = torch.arange(s, min(n, s + batch))
-        feats, h, e, m = _set_batch(samples, idx, hidden, embed)
-        logits = model(feats, h, e, m, samples.threshold)
-        total += float(set_log_likelihood(logits, samples.label[idx], m).sum())
-    return total / max(1, n)
+
+    def total(idx):
+        logits, m = _set_logits(model, samples, idx, hidden, embed)
+        return float(set_log_likelihood(logits, samples.label[idx], m).sum())
+
+    return _batch_mean(samples, batch, total)
+
+
+PROJECTIONS = ("hidden_proj.", "token_proj.")  # the set model's only per-target-width parts
 
 
 def adapt_set_model(source: SetModel, target_hidden_size: int, seed: int = 0) -> SetModel:
@@ -297,8 +303,7 @@ def train_set_model(
     model = _init(SetModel, config, seed) if model is None else model
 
     def batch_loss(idx):
-        feats, h, e, m = _set_batch(train, idx, train_hidden, embed)
-        logits = model(feats, h, e, m, train.threshold)
+        logits, m = _set_logits(model, train, idx, train_hidden, embed)
         return -set_log_likelihood(logits, train.label[idx], m).mean()
 
     n = train.label.shape[0]
