@@ -5,12 +5,15 @@ in one process, one table per target. Ratios are what to read: this machine is n
 
 Rows: draft-free; Spiffy (the budget's most frequent paths of its calibrated graph) and SPOT,
 each at the fixed budget (NFE-optimal) and with `auto` (throughput-optimal from the measured
-forward cost); a perfect order oracle (true next positions, tokens drafted from the stale
-logits like SPOT) with the same budget and with small ones, to show what order prediction
-alone could reach in NFE and in tokens/s; transfer rows (a drafter trained on another bundled
-target, unchanged; for SPOT-Sets, with its two width projections refit, --adapted-sets).
+forward cost); SPOT with an untrained order model (exactly the rule's own guess, most
+confident first: what training adds); a perfect order oracle (true next positions, tokens
+drafted from the stale logits like SPOT) with the same budget and with small ones, to show
+what order prediction alone could reach in NFE and in tokens/s; transfer rows (a drafter
+trained on another bundled target, unchanged; for SPOT-Sets, with its two width projections
+refit, --adapted-sets).
 With --rule threshold: threshold alone, threshold + Spiffy (its graph calibrated on threshold
 trajectories), threshold + SPOT-Sets, and standard 1-token decoding as the baseline.
+The last column says why verification walks stopped (`walk_stop`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +31,8 @@ from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
+from spot.drafters.order_model import OrderModel, OrderModelConfig
+from spot.drafters.spot import SpotDrafter
 from spot.models.drafter_files import acceptance_curve, load_drafter
 from spot.tree import DraftTree, advance
 
@@ -41,6 +47,7 @@ class Row:
     seconds: float
     drafter_seconds: float
     outputs: list[list[int]]
+    stops: Counter  # why verification walks stopped (see `walk_stop`)
 
     @property
     def mean_nfe(self) -> float:
@@ -74,23 +81,56 @@ class OrderOracle:
         return trees
 
 
-def run(name, budget, target, requests, config, batch_size, drafter=None, trace=None) -> Row:
+STOPS = ("no draft", "budget", "order", "token")
+
+
+def walk_stop(tree: DraftTree, path: list[int], target_commits: torch.Tensor, mask_id: int) -> str:
+    """Why a verification walk stopped at its last accepted node: the tree was the root alone
+    (no stale logits for this block yet), the node was a leaf (budget), no child commits the
+    positions the target committed (order), or one does but with other tokens (token).
+    target_commits: [B] the positions the target committed from that node."""
+    if len(tree.nodes) == 1:
+        return "no draft"
+    last = tree.nodes[path[-1]]
+    children = tree.children(path[-1])
+    if not children:
+        return "budget"
+    b = target_commits.numel()
+    width = last.span.numel()
+    masked = last.block(b) == mask_id
+    for c in children:
+        drafted = tree.nodes[c].span[width - b : width] != mask_id
+        if torch.equal(masked & drafted, target_commits):
+            return "token"
+    return "order"
+
+
+def run(name, budget, target, requests, config, batch_size, commits=None, drafter=None) -> Row:
+    """commits: (request key, step) -> [B] positions the target commits from that step, from
+    a draft-free run of `config`; with it, why each walk stopped is counted."""
     nfe, outputs = [], []
     steps = tokens = 0
     drafter_seconds = 0.0
+    stops: Counter = Counter()
     t0 = time.perf_counter()
     for s in range(0, len(requests), batch_size):
         batch = requests[s : s + batch_size]
-        for r in generate(target, batch, config, drafter=drafter, trace=trace):
+
+        def on_walk(index, tree, path, batch=batch):
+            if commits is None:
+                return
+            truth = commits[(batch[index].key, tree.nodes[path[-1]].step)]
+            stops[walk_stop(tree, path, truth, target.mask_id)] += 1
+
+        for r in generate(target, batch, config, drafter=drafter, on_walk=on_walk):
             nfe.append(r.stats.nfe)
             steps += r.stats.steps
             drafter_seconds += r.stats.drafter_seconds
             ids = r.tokens.tolist()
             tokens += next((i for i, t in enumerate(ids) if t in target.eos_ids), len(ids))
             outputs.append(ids)
-    return Row(
-        name, str(budget), nfe, steps, tokens, time.perf_counter() - t0, drafter_seconds, outputs
-    )
+    seconds = time.perf_counter() - t0
+    return Row(name, str(budget), nfe, steps, tokens, seconds, drafter_seconds, outputs, stops)
 
 
 def pct(values, q):
@@ -109,8 +149,10 @@ def table(
         f"{config.rule}, T={config.temperature}, batch {batch_size}, {len(base.nfe)} prompts",
         "",
         "| decoder | budget | NFE mean | p50 | p95 | steps/forward | NFE vs draft-free | "
-        "NFE vs Spiffy | tokens/s | speed-up | drafter share | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "NFE vs Spiffy | tokens/s | speed-up | drafter share | exact | walks stopped by "
+        + " / ".join(STOPS)
+        + " |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs_spiffy = f"{1 - r.mean_nfe / spiffy.mean_nfe:+.0%}" if spiffy else "–"
@@ -121,7 +163,9 @@ def table(
             f"{base.mean_nfe / r.mean_nfe:.2f}x | {vs_spiffy} | {tps:.1f} | "
             f"{tps / (base.tokens / base.seconds):.2f}x | "
             f"{r.drafter_seconds / r.seconds:.1%} | "
-            f"{'yes' if r.outputs == reference.outputs else 'NO'} |"
+            f"{'yes' if r.outputs == reference.outputs else 'NO'} | "
+            + (" / ".join(f"{r.stops[k] / r.stops.total():.0%}" for k in STOPS) or "–")
+            + " |"
         )
     return "\n".join(lines)
 
@@ -192,7 +236,7 @@ def bench_target(name: str, args) -> None:
     for s in range(0, len(requests), args.batch_size):
         keys[:] = [r.key for r in requests[s : s + args.batch_size]]
         generate(target, requests[s : s + args.batch_size], config, trace=record)
-    rows.append(run(base_name, 0, target, requests, config, args.batch_size))
+    rows.append(run(base_name, 0, target, requests, config, args.batch_size, commits))
     cost = measure_forward_cost(
         target,
         args.block_length,
@@ -213,18 +257,51 @@ def bench_target(name: str, args) -> None:
                     continue
                 label = f"SPOT-Sets (adapted from {source})"
             drafter = load_drafter(kind, path, args.budget, target)
-            rows.append(run(label, args.budget, target, requests, config, args.batch_size, drafter))
+            rows.append(
+                run(label, args.budget, target, requests, config, args.batch_size, commits, drafter)
+            )
             if source == name:
                 curve = acceptance_curve(kind, path)
                 auto = AutoBudget(load_drafter(kind, path, args.budget, target), curve, cost)
-                row = run(label + " auto", "auto", target, requests, config, args.batch_size, auto)
+                row = run(
+                    label + " auto",
+                    "auto",
+                    target,
+                    requests,
+                    config,
+                    args.batch_size,
+                    commits,
+                    auto,
+                )
                 row.budget = f"auto→{auto.chosen}"
                 rows.append(row)
     if args.rule == "static":
+        untrained = SpotDrafter(OrderModel(OrderModelConfig()), args.budget)
+        rows.append(
+            run(
+                "SPOT untrained (the rule's guess)",
+                args.budget,
+                target,
+                requests,
+                config,
+                args.batch_size,
+                commits,
+                untrained,
+            )
+        )
         for budget in sorted({args.budget, *args.oracle_budgets}):
             oracle = OrderOracle(commits, budget)
             rows.append(
-                run("order oracle", budget, target, requests, config, args.batch_size, oracle)
+                run(
+                    "order oracle",
+                    budget,
+                    target,
+                    requests,
+                    config,
+                    args.batch_size,
+                    commits,
+                    oracle,
+                )
             )
     print(table(name, rows, config, args.batch_size, exact_to=base_name))
     print()

@@ -48,7 +48,15 @@ def record(target, reqs, config):
 
 @pytest.mark.parametrize(
     "temperature,refresh,tokens_per_step",
-    [(0.0, 1, 1), (0.8, 1, 1), (0.0, 3, 1), (0.8, 99, 1), (0.0, 1, 2), (0.8, 3, 2)],
+    [
+        (0.0, 1, 1),
+        (0.8, 1, 1),
+        (0.0, 3, 1),
+        (0.8, None, 1),
+        (0.0, None, 2),
+        (0.8, 3, 2),
+        (0.0, 1, 2),
+    ],
 )
 def test_untrained_order_model_changes_nothing(temperature, refresh, tokens_per_step):
     target = ToyTarget(seed=3, sharpness=2.0)
@@ -111,17 +119,25 @@ def test_spiffy_graph_calibrates_and_changes_nothing(tmp_path, temperature):
         assert all(r.stats.tree_nodes <= limit * r.stats.nfe for r in drafted)
 
 
-def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
-    # root with 3 masked positions whose stale confidences rank 2 > 0 > 1
+def _hand_built_input(stale_tops, rest=-5.0):
+    """A 4-position block whose stale forward saw everything masked and whose root has since
+    committed position 3; stale_tops: the stale logits of tokens 3, 4, 5, 6 at positions
+    0-3 (every other token at `rest`)."""
     from spot.decode import DraftInput
     from spot.tree import Layout, State
 
     layout = Layout.for_prompt(4, 4, 4, 4, False, 11, (10,))
-    logits = torch.full((4, 12), -5.0)
-    logits[0, 3], logits[1, 4], logits[2, 5], logits[3, 6] = 2.0, 1.0, 3.0, 4.0
+    logits = torch.full((4, 12), rest)
+    for position, value in enumerate(stale_tops):
+        logits[position, 3 + position] = value
     stale = State(4, torch.tensor([11, 11, 11, 11]), 0, 0)
     root = State(4, torch.tensor([11, 11, 11, 6]), 1, 1)
-    inp = DraftInput(layout, root, stale, logits, None, 0, DecodingConfig(4, 4), "untempered")
+    return DraftInput(layout, root, stale, logits, None, 0, DecodingConfig(4, 4), "untempered")
+
+
+def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
+    # root with 3 masked positions whose stale confidences rank 2 > 0 > 1
+    inp = _hand_built_input([2.0, 1.0, 3.0, 4.0])
     graph = DraftGraph((((0, 0),), ((1, 0),), ((0, 0), (0, 0))), (5, 3, 2), {})
     tree = SpiffyDrafter(graph).propose([inp])[0]
     assert [n.block(4).tolist() for n in tree.nodes] == [
@@ -131,6 +147,39 @@ def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
         [3, 11, 5, 6],  # then rank 0 of what is left: position 0
     ]
     assert tree.parent == (-1, 0, 0, 1)
+
+
+class _FixedOrder(torch.nn.Module):
+    """An order model that scores every position the same way whatever the features."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.config = SMALL
+        self.scores = torch.tensor(scores)
+        self.calls = 0
+
+    def forward(self, features, masked):
+        self.calls += 1
+        return self.scores.expand_as(masked).masked_fill(~masked, float("-inf"))
+
+
+def test_spot_ranks_a_whole_tree_from_one_evaluation_of_the_root():
+    # root: positions 0-2 masked; scores rank 2 > 0 > 1; stale tokens 3, 4, 5 near-certain
+    inp = _hand_built_input([9.0, 9.0, 9.0, 9.0], rest=-9.0)
+    model = _FixedOrder([1.0, 0.0, 2.0, 5.0])
+    tree = SpotDrafter(model, budget=4, branching=2).propose([inp])[0]
+    # log-probabilities renormalised over what is left: position 2 first (-0.41), then 0
+    # (-0.31 more, as 1 - log(e + 1)), then 1 (certain, 0 more): -0.72 in all, ahead of the
+    # root's second choice, position 0 (-1.41)
+    assert [n.block(4).tolist() for n in tree.nodes] == [
+        [11, 11, 11, 6],
+        [11, 11, 5, 6],
+        [3, 11, 5, 6],
+        [3, 4, 5, 6],
+        [3, 11, 11, 6],
+    ]
+    assert tree.parent == (-1, 0, 1, 2, 0)
+    assert model.calls == 1
 
 
 def _threshold_input(root_block, stale_logits, threshold):
@@ -210,7 +259,7 @@ def test_threshold_spiffy_calibrates_and_changes_nothing(temperature):
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
 
 
-@pytest.mark.parametrize("refresh", [1, 4, 99])
+@pytest.mark.parametrize("refresh", [1, 4, None])
 def test_trees_fill_the_budget_whatever_the_refresh(refresh):
     # a round whose new nodes all reuse an earlier evaluation must not end the growth
     target = ToyTarget(seed=3, sharpness=2.0)

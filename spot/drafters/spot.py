@@ -41,10 +41,20 @@ class _Growing:
     nodes: list[State]
     parent: list[int]
     score: list[float]
+    masked: list[list[bool]]  # per node: which block positions are still masked
     heap: list[tuple[float, int, int, tuple[int, ...]]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # model output per evaluated node
+    rows: dict[int, object] = field(default_factory=dict)  # read model row per evaluated node
     source: dict[int, int] = field(default_factory=dict)  # node -> evaluated node whose row it uses
+    drawn: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+    def draw(self, step: int) -> tuple[list[int], list[float]]:
+        """The drafted tokens and their log-confidences at `step`, as lists (read per node)."""
+        if step not in self.drawn:
+            tokens, conf = self.inp.draw(step)
+            log_conf = conf.double().clamp_min(1e-30).log()
+            self.drawn[step] = (tokens.tolist(), log_conf.tolist())
+        return self.drawn[step]
 
 
 class BestFirstDrafter:
@@ -54,10 +64,13 @@ class BestFirstDrafter:
     rules: tuple[str, ...] = ()
     needs_hidden = False
 
-    def __init__(self, budget: int, per_round: int = 4, branching: int = 4, refresh: int = 1):
+    def __init__(
+        self, budget: int, per_round: int = 4, branching: int = 4, refresh: int | None = 1
+    ):
         """refresh: evaluate the model on a node only every `refresh` levels below the last
         evaluated one; nodes in between reuse that evaluation (over their remaining masked
-        positions), which trades drafting accuracy for fewer model calls per tree."""
+        positions), which trades drafting accuracy for fewer model calls per tree. None: the
+        root's evaluation serves the whole tree (one model call per proposal)."""
         self.budget = budget
         self.per_round = per_round
         self.branching = branching
@@ -67,9 +80,14 @@ class BestFirstDrafter:
         """The model's output rows [len(frontier), B] for the frontier's nodes, one batch."""
         raise NotImplementedError
 
-    def _moves_from(self, g: _Growing, n: int, row: torch.Tensor) -> list[tuple[float, tuple]]:
-        """Moves (log-probability, positions committed next) of node n from a model row."""
+    def _moves_from(self, g: _Growing, n: int, row) -> list[tuple[float, tuple]]:
+        """Moves (log-probability, positions committed next) of node n from a model row (as
+        `_read_row` returns it)."""
         raise NotImplementedError
+
+    def _read_row(self, row: torch.Tensor):
+        """A model row [B] in the form `_moves_from` reads; read once per evaluated node."""
+        return row
 
     def _push(self, g: _Growing, n: int, row: torch.Tensor) -> None:
         for logp, positions in self._moves_from(g, n, row):
@@ -81,7 +99,7 @@ class BestFirstDrafter:
         frontier = [(g, 0) for g in growing if g is not None]
         while frontier:
             for (g, n), row in zip(frontier, self._evaluate(frontier)):
-                g.rows[n] = row
+                row = g.rows[n] = self._read_row(row)
                 g.source[n] = n
                 self._push(g, n, row)
             frontier = []
@@ -94,7 +112,10 @@ class BestFirstDrafter:
                     if not self._in_stale_block(g, g.nodes[node]):
                         continue
                     evaluated = g.source[g.parent[node]]
-                    if g.nodes[node].step - g.nodes[evaluated].step < self.refresh:
+                    if (
+                        self.refresh is None
+                        or g.nodes[node].step - g.nodes[evaluated].step < self.refresh
+                    ):
                         g.source[node] = evaluated
                         self._push(g, node, g.rows[evaluated])
                     else:
@@ -124,7 +145,10 @@ class BestFirstDrafter:
             )
         top_logprobs, top_ids = stale_top(inp.stale_logits, self.top_k)
         stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
-        return _Growing(inp, top_logprobs, top_ids, stale_masked, [inp.root], [-1], [0.0])
+        root_masked = (inp.root.block(b) == inp.layout.mask_id).tolist()
+        return _Growing(
+            inp, top_logprobs, top_ids, stale_masked, [inp.root], [-1], [0.0], [root_masked]
+        )
 
     def _node_features(self, g: _Growing, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
         """Order features [1, B, F] of node n and its mask [1, B]."""
@@ -152,14 +176,16 @@ class BestFirstDrafter:
         """Pop the best candidate and add its state as a node; returns the node index."""
         neg_score, _, parent, positions = heapq.heappop(g.heap)
         node = g.nodes[parent]
-        tokens, conf = g.inp.draw(node.step)
+        tokens, log_conf = g.draw(node.step)
         block = node.block(g.inp.layout.block_length).clone()
-        chosen = list(positions)
-        block[chosen] = tokens[chosen]
-        token_logp = sum(math.log(max(float(conf[p]), 1e-30)) for p in chosen)
+        masked = g.masked[parent].copy()
+        for p in positions:
+            block[p] = tokens[p]
+            masked[p] = False
         g.nodes.append(advance(g.inp.layout, node, block))
         g.parent.append(parent)
-        g.score.append(-neg_score + token_logp)
+        g.score.append(-neg_score + sum(log_conf[p] for p in positions))
+        g.masked.append(masked)
         return len(g.nodes) - 1
 
 
@@ -175,11 +201,12 @@ class SpotDrafter(BestFirstDrafter):
         budget: int,
         per_round: int = 4,
         branching: int = 4,
-        refresh: int = 4,
+        refresh: int | None = None,
     ):
-        """refresh 4: a chain reuses one model evaluation for up to 4 levels (measured on
-        sdar-tiny, block 32, budget 16: as many steps per forward as refresh 1, with fewer
-        model calls)."""
+        """refresh None: the root's scores, renormalised over each node's remaining masked
+        positions, rank the whole tree (measured on sdar-tiny, block 32, budget 16, 40 prompts:
+        9.50 forwards per request against 9.57 re-evaluating every 4 levels, with the
+        drafter's share of wall time down from 13.5% to 8.2%)."""
         super().__init__(budget, per_round, branching, refresh)
         self.model = model.eval()
         self.top_k = model.config.top_k
@@ -188,21 +215,32 @@ class SpotDrafter(BestFirstDrafter):
         feats, masks = zip(*(self._node_features(g, n, self.model.config) for g, n in frontier))
         return self.model(torch.cat(feats), torch.cat(masks)).float()
 
+    def _read_row(self, row):
+        """(scores, positions with a finite score, best first): plain Python, since a tree
+        ranks the same row's positions at every node it serves."""
+        scores = row.double().tolist()
+        return scores, sorted(
+            (p for p, v in enumerate(scores) if v > -math.inf), key=lambda p: -scores[p]
+        )
+
     def _moves_from(self, g, n, row):
-        node = g.nodes[n]
+        scores, ranked = row
+        node, masked = g.nodes[n], g.masked[n]
         layout = g.inp.layout
         b = layout.block_length
-        masked = node.block(b) == layout.mask_id
-        logp = torch.log_softmax(row.masked_fill(~masked, float("-inf")), dim=-1)
+        live = [p for p in ranked if masked[p]]
+        if not live:
+            return []
+        top = scores[live[0]]
+        log_z = top + math.log(sum(math.exp(scores[p] - top) for p in live))
         k = max(1, layout.commit_count(node.block_start(b), node.block_step))
-        num_masked = int(masked.sum())
         by_conf: list[int] = []
         if k > 1:
             _, conf = g.inp.draw(node.step)
-            by_conf = confidence_order(conf[None], masked[None])[0, :num_masked].tolist()
-        best = torch.topk(logp, min(self.branching, num_masked))
+            mask = torch.tensor(masked)
+            by_conf = confidence_order(conf[None], mask[None])[0, : len(live)].tolist()
         moves = []
-        for value, pos in zip(best.values.tolist(), best.indices.tolist()):
+        for pos in live[: self.branching]:
             rest = [p for p in by_conf if p != pos][: k - 1]
-            moves.append((value, (pos, *rest)))
+            moves.append((scores[pos] - log_z, (pos, *rest)))
         return moves

@@ -146,8 +146,9 @@ class SpotSetsDrafter(BestFirstDrafter):
         )
 
     def _moves_from(self, g, n, row):
-        masked = g.nodes[n].block(g.inp.layout.block_length) == g.inp.layout.mask_id
-        return likely_sets(row, masked, self.branching, self.model.config.max_flips)
+        return likely_sets(
+            row, torch.tensor(g.masked[n]), self.branching, self.model.config.max_flips
+        )
 
 
 def set_log_likelihood(logits: torch.Tensor, label: torch.Tensor, masked: torch.Tensor):
