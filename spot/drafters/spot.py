@@ -6,7 +6,8 @@ probabilities. SPOT's order model proposes single next positions (static rule); 
 proposes whole commit sets (threshold rule). Drafted tokens come from the stale logits under
 the coupled noise of the step they would be committed at, so at T>0 they match the target's
 own draw whenever its distribution has not moved. Expansion runs in rounds so that the model
-is evaluated on all new nodes of all requests in one batch.
+is evaluated on all new nodes of all requests in one batch; SPOT evaluates only the roots
+(one batched call per proposal) and ranks each tree from its root's scores.
 """
 
 from __future__ import annotations

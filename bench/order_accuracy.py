@@ -1,0 +1,66 @@
+"""How well can the next commit be told from the stale distribution, by lookahead depth?
+
+On the held-out blocks of recorded draft-free trajectories (the split `train-drafter` holds
+out), for a hypothesis j steps after the stale forward (the target's own commits in between):
+the next-commit accuracy of the commit rule's own guess (the most confident stale position
+left), of the order model evaluated at that hypothesis, and of the order model's evaluation
+at depth 1 reused over the positions left, which is what a SPOT tree does (one evaluation
+per tree, at its root).
+
+    .venv/bin/python bench/order_accuracy.py --trajectories build/drafters/sdar-tiny-b32.pt \
+        --drafter spot/builtin/drafters/sdar-tiny/spot-b32.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from spot.drafters.training import build_samples
+from spot.drafters.trajectory import Trajectories
+from spot.models.drafter_files import load_order_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--trajectories", required=True)
+    p.add_argument("--drafter", required=True, help="a SPOT checkpoint")
+    p.add_argument("--heldout", type=float, default=0.1)
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    model, _ = load_order_model(args.drafter, "spot")
+    config = model.config
+    _, held = Trajectories.load(args.trajectories).split(args.heldout)
+    samples = build_samples(held, config)
+    depth = (samples.features[:, 0, -1] * config.max_lookahead).round().long()
+    logits = torch.cat(
+        [
+            model(samples.features[s : s + 4096], samples.masked[s : s + 4096])
+            for s in range(0, depth.numel(), 4096)
+        ]
+    )
+    rank = samples.features[..., config.rank_index].masked_fill(~samples.masked, 2.0)
+    root_of = {int(i): n for n, i in enumerate(samples.stale_index) if depth[n] == 1}
+    has_root = torch.tensor([int(i) in root_of for i in samples.stale_index])
+    root_rows = logits[[root_of.get(int(i), 0) for i in samples.stale_index]]
+    reused = root_rows.masked_fill(~samples.masked, float("-inf"))
+
+    def hits(pick: torch.Tensor) -> torch.Tensor:
+        return samples.label.gather(1, pick[:, None]).squeeze(1).float()
+
+    rule, fresh, root = hits(rank.argmin(-1)), hits(logits.argmax(-1)), hits(reused.argmax(-1))
+    print(f"{args.trajectories}, held-out {args.heldout:.0%} of blocks")
+    print()
+    print("| depth | samples | rule's guess | order model | root evaluation reused |")
+    print("|---|---|---|---|---|")
+    for j in range(1, config.max_lookahead + 1):
+        m = (depth == j) & has_root
+        print(
+            f"| {j} | {int(m.sum())} | {rule[m].mean():.3f} | {fresh[m].mean():.3f} | "
+            f"{root[m].mean():.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
