@@ -6,11 +6,11 @@ in one process, one table per target. Ratios are what to read: this machine is n
 Rows: draft-free; Spiffy (the budget's most frequent paths of its calibrated graph) and SPOT,
 each at the fixed budget (NFE-optimal) and with `auto` (throughput-optimal from the measured
 forward cost); SPOT with an untrained order model (exactly the rule's own guess, most
-confident first: what training adds); a perfect order oracle (true next positions, tokens
-drafted from the stale logits like SPOT) with the same budget and with small ones, to show
-what order prediction alone could reach in NFE and in tokens/s; transfer rows (a drafter
-trained on another bundled target, unchanged; for SPOT-Sets, with its two width projections
-refit, --adapted-sets).
+confident first: what training adds), also with sharper scores (--rule-sharpness); a perfect
+order oracle (true next positions, tokens drafted from the stale logits like SPOT) with the
+same budget and with small ones, to show what order prediction alone could reach in NFE and
+in tokens/s; transfer rows (a drafter trained on another bundled target, unchanged; for
+SPOT-Sets, with its two width projections refit, --adapted-sets).
 With --rule threshold: threshold alone, threshold + Spiffy (its graph calibrated on threshold
 trajectories), threshold + SPOT-Sets, and standard 1-token decoding as the baseline.
 The last column says why verification walks stopped (`walk_stop`).
@@ -193,6 +193,13 @@ def main() -> None:
         default=[1, 2, 3, 4, 6],
         help="extra budgets for the oracle rows: the best tokens/s any order predictor reaches",
     )
+    p.add_argument(
+        "--rule-sharpness",
+        type=lambda text: [float(x) for x in text.split(",") if x],
+        default=[1.0, 4.0],
+        help="untrained SPOT rows: the rule's guess with its scores -log(1 - confidence) "
+        "multiplied by these (1: the untrained model; larger: more of the budget on its chain)",
+    )
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
@@ -276,19 +283,21 @@ def bench_target(name: str, args) -> None:
                 row.budget = f"auto→{auto.chosen}"
                 rows.append(row)
     if args.rule == "static":
-        untrained = SpotDrafter(OrderModel(OrderModelConfig()), args.budget)
-        rows.append(
-            run(
-                "SPOT untrained (the rule's guess)",
-                args.budget,
-                target,
-                requests,
-                config,
-                args.batch_size,
-                commits,
-                untrained,
+        for sharpness in args.rule_sharpness:
+            untrained = OrderModel(OrderModelConfig())
+            untrained.prior_scale.data.fill_(sharpness)
+            rows.append(
+                run(
+                    f"SPOT untrained (the rule's guess, x{sharpness:g})",
+                    args.budget,
+                    target,
+                    requests,
+                    config,
+                    args.batch_size,
+                    commits,
+                    SpotDrafter(untrained, args.budget),
+                )
             )
-        )
         for budget in sorted({args.budget, *args.oracle_budgets}):
             oracle = OrderOracle(commits, budget)
             rows.append(
