@@ -164,7 +164,7 @@ def table(
             f"{tps / (base.tokens / base.seconds):.2f}x | "
             f"{r.drafter_seconds / r.seconds:.1%} | "
             f"{'yes' if r.outputs == reference.outputs else 'NO'} | "
-            + (" / ".join(f"{r.stops[k] / r.stops.total():.0%}" for k in STOPS) or "–")
+            + (" / ".join(f"{r.stops[k] / r.stops.total():.0%}" for k in STOPS) if r.stops else "–")
             + " |"
         )
     return "\n".join(lines)
