@@ -21,6 +21,7 @@ COMMANDS = {
     "record-trajectories": "pipeline.drafter_training:record_command",
     "train-drafter": "pipeline.drafter_training:train_command",
     "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",
+    "calibrate-spot": "pipeline.drafter_training:calibrate_spot_command",
 }
 
 

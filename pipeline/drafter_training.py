@@ -95,6 +95,20 @@ def record(
     return recorder.result(meta)
 
 
+def recorded_decoding(meta: dict) -> DecodingConfig:
+    """The decoding that trajectories (and so the drafters trained on them) were recorded
+    with."""
+    return DecodingConfig(
+        gen_length=int(meta["gen_length"]),
+        block_length=int(meta["block_length"]),
+        rule=meta["rule"],
+        threshold=float(meta["threshold"]),
+        tokens_per_step=int(meta["block_length"]) // int(meta["steps_per_block"]),
+        temperature=float(meta["temperature"]),
+        seed=int(meta["seed"]),
+    )
+
+
 def measure_acceptance(target, drafter, requests, config, batch_size: int) -> dict:
     """Steps per forward for every budget up to the drafter's, from one run (trees grow
     best-first, so a smaller budget's tree is a prefix of the larger one)."""
@@ -233,15 +247,7 @@ def train_command(
             metrics["adapted_from"] = adapted
         drafter = SpotSetsDrafter(model, target.embed, budget)
     bar.close()
-    config = DecodingConfig(
-        gen_length=int(meta["gen_length"]),
-        block_length=int(meta["block_length"]),
-        rule=meta["rule"],
-        threshold=float(meta["threshold"]),
-        tokens_per_step=int(meta["block_length"]) // int(meta["steps_per_block"]),
-        temperature=float(meta["temperature"]),
-        seed=int(meta["seed"]),
-    )
+    config = recorded_decoding(meta)
     requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
     curve = measure_acceptance(target, drafter, requests, config, batch_size=8)
     header = {
@@ -263,3 +269,54 @@ def calibrate_command(trajectories, out, budget, depth):
     graph = calibrate(Trajectories.load(trajectories), budget, depth)
     graph.save(out)
     click.echo(f"{len(graph.paths)} nodes, deepest {max(map(len, graph.paths))} -> {out}")
+
+
+@click.command("calibrate-spot")
+@click.option("--drafter", "path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_path", required=True, help="the target it was trained for")
+@click.option(
+    "--prior-scales",
+    default="2,4,8",
+    show_default=True,
+    help="candidate sharpnesses of the rule's guess under the learned correction, beside "
+    "the trained one",
+)
+@click.option("--prompts", default=24, show_default=True, help="validation prompts")
+@click.option("--budget", default=16, show_default=True, help="tree budget to calibrate at")
+@click.option("--eval-prompts", default=40, show_default=True, help="held-out prompts")
+def calibrate_spot_command(path, model_path, prior_scales, prompts, budget, eval_prompts):
+    """Choose a trained SPOT checkpoint's tree sharpness by measured acceptance.
+
+    Training fits the order model's probabilities to the next commit; the tree grows deeper
+    chains from sharper ones. This runs the drafter at `budget` on validation prompts (a
+    corpus train stream the trajectories did not use) for the trained prior scale and each
+    candidate, keeps the one with the most steps per forward, and rewrites the checkpoint
+    with it and its acceptance curve on held-out prompts."""
+    model, header = load_order_model(path, "spot")
+    tokenizer, target = load_model_and_tokenizer(model_path)
+    config = recorded_decoding(header["trained_on"])
+    validation = encode(tokenizer, corpus_prompts("train", prompts, seed=1))
+    earlier = header["metrics"].get("tree_calibration", {})  # calibrating again starts over
+    trained = float(earlier.get("trained_prior_scale", model.prior_scale.detach()))
+    measured = {}
+    for scale in [trained, *(float(x) for x in prior_scales.split(","))]:
+        model.prior_scale.data.fill_(scale)
+        drafter = SpotDrafter(model, budget)
+        curve = measure_acceptance(target, drafter, validation, config, batch_size=8)
+        measured[scale] = curve["steps_per_forward"][-1]
+        click.echo(f"prior scale {scale:.3g}: {measured[scale]:.3f} steps per forward")
+    chosen = max(measured, key=lambda scale: (measured[scale], scale == trained))
+    model.prior_scale.data.fill_(chosen)
+    requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
+    curve = measure_acceptance(target, SpotDrafter(model, budget), requests, config, 8)
+    header["metrics"]["tree_calibration"] = {
+        "budget": budget,
+        "validation_prompts": prompts,
+        "trained_prior_scale": trained,
+        "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in measured.items()},
+        "chosen_prior_scale": chosen,
+    }
+    header["acceptance_curve"] = curve
+    body = {k: v for k, v in header.items() if k not in ("kind", "config")}
+    save_order_model(path, model, "spot", body)
+    click.echo(f"kept prior scale {chosen:.3g} -> {path}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Reproduces the bundled drafters in spot/builtin/drafters/ from the bundled targets:
 # record each target's own draft-free trajectories on corpus train prompts, then train SPOT
-# (static rule), calibrate Spiffy (static and threshold rules) and train SPOT-Sets (threshold
-# rule).
+# (static rule) and calibrate its tree sharpness, calibrate Spiffy (static and threshold
+# rules) and train SPOT-Sets (threshold rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 # The shipped files were made with (OMP_NUM_THREADS=1, two of these side by side; sdar-tiny's
 # block-32 SPOT takes 27 min, the others 3-10 min per target and block):
@@ -32,6 +32,7 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
       --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS"
     $CLI train-drafter --kind spot --trajectories "$static" --model "builtin:$target" \
       --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS"
+    $CLI calibrate-spot --drafter "$out/spot-b$block.safetensors" --model "builtin:$target"
     $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 16
     threshold=$WORK/$target-b$block-threshold.pt
     $CLI record-trajectories --model "builtin:$target" --out "$threshold" --hidden \

@@ -109,11 +109,12 @@ def test_report_needs_a_summary(tmp_path: Path):
 
 def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     """The reproducible drafter commands on a bundled target: threshold trajectories with
-    hidden states, a SPOT-Sets model adapted from another target's (another width), and a
-    Spiffy graph whose acceptance the calibration counts predict."""
+    hidden states, a SPOT-Sets model adapted from another target's (another width), a SPOT
+    checkpoint's tree sharpness chosen by measured acceptance, and a Spiffy graph whose
+    acceptance the calibration counts predict."""
     from spot.builtin import builtin_drafter
     from spot.drafters.spiffy import DraftGraph
-    from spot.models.drafter_files import read_header
+    from spot.models.drafter_files import load_order_model, read_header
 
     runner = CliRunner()
     traj = tmp_path / "nano.pt"
@@ -136,6 +137,19 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     assert header["acceptance_curve"]["steps_per_forward"][0] == 1.0
     result = runner.invoke(main, [*train[:2], "spot", *train[3:]])
     assert result.exit_code != 0 and "--adapt-from adapts SPOT-Sets" in result.output
+    spot_file = tmp_path / "spot.safetensors"
+    spot_file.write_bytes(builtin_drafter("sdar-nano", "spot", 16).read_bytes())
+    tune = ["calibrate-spot", "--drafter", str(spot_file), "--model", "builtin:sdar-nano"]
+    result = runner.invoke(main, [*tune, "--prompts", "3", "--eval-prompts", "3", "--budget", "4"])
+    assert result.exit_code == 0, result.output
+    model, header = load_order_model(spot_file)
+    calibration = header["metrics"]["tree_calibration"]
+    assert len(calibration["steps_per_forward_by_prior_scale"]) == 4  # trained + 2, 4, 8
+    best = max(calibration["steps_per_forward_by_prior_scale"].values())
+    chosen = calibration["chosen_prior_scale"]
+    assert calibration["steps_per_forward_by_prior_scale"][f"{chosen:.6g}"] == best
+    assert float(model.prior_scale) == pytest.approx(chosen)
+    assert header["acceptance_curve"]["budgets"][-1] == 4
     graph_file = tmp_path / "graph.json"
     calibrate = ["calibrate-spiffy", "--trajectories", str(traj), "--out", str(graph_file)]
     result = runner.invoke(main, [*calibrate, "--budget", "4"])
