@@ -271,6 +271,16 @@ def calibrate_command(trajectories, out, budget, depth):
     click.echo(f"{len(graph.paths)} nodes, deepest {max(map(len, graph.paths))} -> {out}")
 
 
+def _positive_numbers(ctx, param, text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise click.BadParameter(f"expected positive numbers separated by commas, not {text!r}")
+    return values
+
+
 @click.command("calibrate-spot")
 @click.option("--drafter", "path", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", "model_path", required=True, help="the target it was trained for")
@@ -278,6 +288,7 @@ def calibrate_command(trajectories, out, budget, depth):
     "--prior-scales",
     default="2,4,8",
     show_default=True,
+    callback=_positive_numbers,
     help="candidate sharpnesses of the rule's guess under the learned correction, beside "
     "the trained one",
 )
@@ -295,11 +306,13 @@ def calibrate_spot_command(path, model_path, prior_scales, prompts, budget, eval
     model, header = load_order_model(path, "spot")
     tokenizer, target = load_model_and_tokenizer(model_path)
     config = recorded_decoding(header["trained_on"])
-    validation = encode(tokenizer, corpus_prompts("train", prompts, seed=1))
+    # the trajectories took the corpus stream of their decoding seed; validate on the next one
+    stream = int(header["trained_on"]["seed"]) + 1
+    validation = encode(tokenizer, corpus_prompts("train", prompts, stream))
     earlier = header["metrics"].get("tree_calibration", {})  # calibrating again starts over
     trained = float(earlier.get("trained_prior_scale", model.prior_scale.detach()))
     measured = {}
-    for scale in [trained, *(float(x) for x in prior_scales.split(","))]:
+    for scale in [trained, *prior_scales]:
         model.prior_scale.data.fill_(scale)
         drafter = SpotDrafter(model, budget)
         curve = measure_acceptance(target, drafter, validation, config, batch_size=8)

@@ -150,6 +150,8 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     assert calibration["steps_per_forward_by_prior_scale"][f"{chosen:.6g}"] == best
     assert float(model.prior_scale) == pytest.approx(chosen)
     assert header["acceptance_curve"]["budgets"][-1] == 4
+    result = runner.invoke(main, [*tune, "--prior-scales", "2,-1"])
+    assert result.exit_code != 0 and "--prior-scales" in result.output
     graph_file = tmp_path / "graph.json"
     calibrate = ["calibrate-spiffy", "--trajectories", str(traj), "--out", str(graph_file)]
     result = runner.invoke(main, [*calibrate, "--budget", "4"])
