@@ -117,12 +117,11 @@ def run(name, budget, target, requests, config, batch_size, commits=None, drafte
         batch = requests[s : s + batch_size]
 
         def on_walk(index, tree, path, batch=batch):
-            if commits is None:
-                return
             truth = commits[(batch[index].key, tree.nodes[path[-1]].step)]
             stops[walk_stop(tree, path, truth, target.mask_id)] += 1
 
-        for r in generate(target, batch, config, drafter=drafter, on_walk=on_walk):
+        observe = None if commits is None else on_walk
+        for r in generate(target, batch, config, drafter=drafter, on_walk=observe):
             nfe.append(r.stats.nfe)
             steps += r.stats.steps
             drafter_seconds += r.stats.drafter_seconds
@@ -236,6 +235,10 @@ def bench_target(name: str, args) -> None:
         before, after = state.block(b), successor.span[width - b : width]
         commits[(keys[index], state.step)] = (before == target.mask_id) & (after != before)
 
+    def measure(label, budget, drafter=None):
+        """A row of this table's decoding, its walks classified against the draft-free run."""
+        return run(label, budget, target, requests, config, args.batch_size, commits, drafter)
+
     rows = []
     if args.rule == "threshold":
         rows.append(run("standard (1 token/step)", 0, target, requests, static, args.batch_size))
@@ -243,7 +246,7 @@ def bench_target(name: str, args) -> None:
     for s in range(0, len(requests), args.batch_size):
         keys[:] = [r.key for r in requests[s : s + args.batch_size]]
         generate(target, requests[s : s + args.batch_size], config, trace=record)
-    rows.append(run(base_name, 0, target, requests, config, args.batch_size, commits))
+    rows.append(measure(base_name, 0))
     cost = measure_forward_cost(
         target,
         args.block_length,
@@ -264,54 +267,22 @@ def bench_target(name: str, args) -> None:
                     continue
                 label = f"SPOT-Sets (adapted from {source})"
             drafter = load_drafter(kind, path, args.budget, target)
-            rows.append(
-                run(label, args.budget, target, requests, config, args.batch_size, commits, drafter)
-            )
+            rows.append(measure(label, args.budget, drafter))
             if source == name:
                 curve = acceptance_curve(kind, path)
                 auto = AutoBudget(load_drafter(kind, path, args.budget, target), curve, cost)
-                row = run(
-                    label + " auto",
-                    "auto",
-                    target,
-                    requests,
-                    config,
-                    args.batch_size,
-                    commits,
-                    auto,
-                )
+                row = measure(label + " auto", "auto", auto)
                 row.budget = f"auto→{auto.chosen}"
                 rows.append(row)
     if args.rule == "static":
         for sharpness in args.rule_sharpness:
             untrained = OrderModel(OrderModelConfig())
             untrained.prior_scale.data.fill_(sharpness)
-            rows.append(
-                run(
-                    f"SPOT untrained (the rule's guess, x{sharpness:g})",
-                    args.budget,
-                    target,
-                    requests,
-                    config,
-                    args.batch_size,
-                    commits,
-                    SpotDrafter(untrained, args.budget),
-                )
-            )
+            label = f"SPOT untrained (the rule's guess, x{sharpness:g})"
+            rows.append(measure(label, args.budget, SpotDrafter(untrained, args.budget)))
         for budget in sorted({args.budget, *args.oracle_budgets}):
             oracle = OrderOracle(commits, budget)
-            rows.append(
-                run(
-                    "order oracle",
-                    budget,
-                    target,
-                    requests,
-                    config,
-                    args.batch_size,
-                    commits,
-                    oracle,
-                )
-            )
+            rows.append(measure("order oracle", budget, oracle))
     print(table(name, rows, config, args.batch_size, exact_to=base_name))
     print()
     print(
