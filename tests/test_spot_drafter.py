@@ -9,7 +9,7 @@ import torch
 
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
-from spot.drafters.order_model import OrderModel, OrderModelConfig
+from spot.drafters.order_model import Encoder, OrderModel, OrderModelConfig
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter, calibrate
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.training import build_samples, train_order_model
@@ -340,3 +340,25 @@ def test_spiffy_budget_takes_the_most_frequent_paths_and_predicts_its_acceptance
     assert drafter.graph.paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
     curve = graph.acceptance_curve([0, 1, 2, 3, 4])
     assert curve.steps_per_forward == (1.0, 1.8, 2.4, 2.7, 2.8)
+
+
+def test_encoder_keeps_torchs_transformer_encoder_keys_and_outputs():
+    """Checkpoints saved from torch's pre-norm `nn.TransformerEncoder` load into the drafters'
+    own encoder and compute the same function."""
+    encoder = Encoder(SMALL)
+    layer = torch.nn.TransformerEncoderLayer(
+        SMALL.d_model,
+        SMALL.num_heads,
+        SMALL.ff_size,
+        dropout=0.0,
+        batch_first=True,
+        norm_first=True,
+    )
+    reference = torch.nn.TransformerEncoder(layer, SMALL.num_layers, enable_nested_tensor=False)
+    g = torch.Generator().manual_seed(0)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.3, generator=g)
+    encoder.load_state_dict(reference.state_dict())  # strict: the same keys and shapes
+    x = torch.randn(3, 16, SMALL.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(x), reference.eval()(x), rtol=1e-5, atol=1e-5)

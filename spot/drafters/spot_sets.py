@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spot.drafters.order_model import DOUBT_SCALE, OrderModelConfig
+from spot.drafters.order_model import DOUBT_SCALE, Encoder, OrderModelConfig
 from spot.drafters.spot import BestFirstDrafter
 
 
@@ -47,10 +47,7 @@ class SetModel(nn.Module):
         self.hidden_proj = nn.Linear(config.target_hidden_size, d)
         self.token_proj = nn.Linear(config.target_hidden_size, d)
         self.position = nn.Embedding(config.max_block_length, d)
-        layer = nn.TransformerEncoderLayer(
-            d, config.num_heads, config.ff_size, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
+        self.encoder = Encoder(config)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 1)
         nn.init.zeros_(self.head.weight)
