@@ -74,11 +74,14 @@ def test_spot_sets_is_exact_and_saves_forwards_after_training(temperature):
     assert sum(r.stats.nfe for r in drafted) < sum(r.stats.nfe for r in plain)
 
 
-def test_untrained_spot_sets_changes_nothing():
+@pytest.mark.parametrize("temperature,refresh", [(0.0, None), (0.8, None), (0.0, 1), (0.8, 2)])
+def test_untrained_spot_sets_changes_nothing(temperature, refresh):
     target = ToyTarget(seed=1, sharpness=2.0)
-    config = DecodingConfig(gen_length=16, block_length=8, rule="threshold", threshold=0.5)
+    config = DecodingConfig(
+        gen_length=16, block_length=8, rule="threshold", threshold=0.5, temperature=temperature
+    )
     reqs = requests(3, seed=2)
-    drafter = SpotSetsDrafter(SetModel(SMALL), target.embed, budget=5)
+    drafter = SpotSetsDrafter(SetModel(SMALL), target.embed, budget=5, refresh=refresh)
     plain = generate(target, reqs, config)
     drafted = generate(target, reqs, config, drafter=drafter)
     assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
