@@ -30,6 +30,7 @@ from spot.drafters.spot_sets import SetModelConfig, SpotSetsDrafter
 from spot.drafters.training import (
     adapt_set_model,
     build_samples,
+    root_samples,
     train_order_model,
     train_set_model,
 )
@@ -192,12 +193,32 @@ def record_command(model_path, out, prompts, batch_size, hidden, **kw):
     help="spot-sets only: a SPOT-Sets checkpoint trained on another target (any width); "
     "its network is kept frozen and only the two projections from this target's width train",
 )
+@click.option(
+    "--objective",
+    type=click.Choice(["next", "order"]),
+    default="next",
+    show_default=True,
+    help="spot only: `next`, the next commit from hypotheses 1-8 steps past each stale "
+    "forward; `order`, the order of the next 8 commits from each tree root (what a tree "
+    "reads its root's scores as; wants more trajectories)",
+)
 def train_command(
-    kind, trajectories, out, model_path, epochs, heldout, budget, eval_prompts, adapt_from
+    kind,
+    trajectories,
+    out,
+    model_path,
+    epochs,
+    heldout,
+    budget,
+    eval_prompts,
+    adapt_from,
+    objective,
 ):
     """Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories."""
     if adapt_from is not None and kind != "spot-sets":
         raise click.UsageError("--adapt-from adapts SPOT-Sets checkpoints (--kind spot-sets)")
+    if objective != "next" and kind != "spot":
+        raise click.UsageError("--objective chooses how SPOT's order model learns (--kind spot)")
     traj = Trajectories.load(trajectories)
     meta = traj.meta
     tokenizer, target = load_model_and_tokenizer(model_path)
@@ -212,14 +233,16 @@ def train_command(
 
     if kind == "spot":
         cfg = OrderModelConfig()
+        samples = {"next": build_samples, "order": root_samples}[objective]
         model, metrics = train_order_model(
-            build_samples(train, cfg),
-            build_samples(held, cfg),
+            samples(train, cfg),
+            samples(held, cfg),
             cfg,
             epochs,
             progress=progress,
-            validation=build_samples(validation, cfg),
+            validation=samples(validation, cfg),
         )
+        metrics["objective"] = objective
         drafter = SpotDrafter(model, budget)
     else:
         if traj.hidden is None:

@@ -137,6 +137,8 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     assert header["acceptance_curve"]["steps_per_forward"][0] == 1.0
     result = runner.invoke(main, [*train[:2], "spot", *train[3:]])
     assert result.exit_code != 0 and "--adapt-from adapts SPOT-Sets" in result.output
+    result = runner.invoke(main, [*train, "--objective", "order"])
+    assert result.exit_code != 0 and "--objective chooses how SPOT's" in result.output
     spot_file = tmp_path / "spot.safetensors"
     spot_file.write_bytes(builtin_drafter("sdar-nano", "spot", 16).read_bytes())
     tune = ["calibrate-spot", "--drafter", str(spot_file), "--model", "builtin:sdar-nano"]

@@ -4,6 +4,8 @@ Whatever the order model's quality, the output must equal draft-free decoding; a
 must also save forwards.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -12,7 +14,12 @@ from spot.decode import Request, generate
 from spot.drafters.order_model import Encoder, OrderModel, OrderModelConfig
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter, calibrate
 from spot.drafters.spot import SpotDrafter
-from spot.drafters.training import build_samples, train_order_model
+from spot.drafters.training import (
+    build_samples,
+    commit_order_log_likelihood,
+    root_samples,
+    train_order_model,
+)
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
 from spot.noise import request_key
 from tests.toy import ToyTarget
@@ -76,7 +83,8 @@ def test_untrained_order_model_changes_nothing(temperature, refresh, tokens_per_
     assert all(d.stats.tree_nodes <= d.stats.nfe * 7 for d in drafted)
 
 
-def test_trajectories_roundtrip_and_trained_model_saves_forwards(tmp_path):
+@pytest.mark.parametrize("samples", [build_samples, root_samples])
+def test_trajectories_roundtrip_and_trained_model_saves_forwards(tmp_path, samples):
     target = ToyTarget(seed=3, sharpness=4.0)
     config = DecodingConfig(gen_length=32, block_length=8)
     traj = record(target, requests(24, seed=5), config)
@@ -86,9 +94,7 @@ def test_trajectories_roundtrip_and_trained_model_saves_forwards(tmp_path):
     again = Trajectories.load(tmp_path / "t.pt")
     assert torch.equal(again.top_ids, traj.top_ids) and again.meta == traj.meta
     train, held = traj.split(0.25)
-    model, metrics = train_order_model(
-        build_samples(train, SMALL), build_samples(held, SMALL), SMALL, epochs=3
-    )
+    model, metrics = train_order_model(samples(train, SMALL), samples(held, SMALL), SMALL, epochs=3)
     assert metrics["heldout_next_commit_accuracy"] > 0.4  # uniform guessing: ~0.37
     reqs = requests(6, seed=9, offset=100)
     plain = generate(target, reqs, config)
@@ -362,3 +368,26 @@ def test_encoder_keeps_torchs_transformer_encoder_keys_and_outputs():
     x = torch.randn(3, 16, SMALL.d_model, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(encoder(x), reference.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_commit_order_log_likelihood_of_hand_written_orders():
+    """Plackett-Luce over the positions still masked, a multi-position step taking any of
+    its positions; with one step, the next commit's log-likelihood."""
+    inf = float("inf")
+    logits = torch.tensor([[0.0, 1.0, 2.0, -inf], [0.0, 1.0, 2.0, -inf]], requires_grad=True)
+    masked = torch.tensor([[True, True, True, False]] * 2)
+    following = torch.zeros(2, 3, 4, dtype=torch.bool)
+    following[0, 0, 2] = following[0, 1, 0] = True  # 2 then 0, then the block ended
+    following[1, 0, 0] = following[1, 0, 1] = True  # 0 and 1 in one step, then 2
+    following[1, 1, 2] = True
+    e = math.e
+    ll = commit_order_log_likelihood(logits, masked, following)
+    expected = [
+        math.log(e**2 / (1 + e + e**2)) + math.log(1 / (1 + e)),
+        math.log((1 + e) / (1 + e + e**2)),  # then 2 is the only position left: log 1
+    ]
+    torch.testing.assert_close(ll, torch.tensor(expected))
+    ll.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    first = commit_order_log_likelihood(logits, masked, following[:, :1])
+    torch.testing.assert_close(first[0], torch.log_softmax(logits[0], -1)[2])

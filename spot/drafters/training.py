@@ -3,13 +3,16 @@
 A sample pairs a stale forward (record i) with a hypothesis j steps later in the same block
 (record i+j, 1 <= j <= max_lookahead): the features are record i's distribution and record
 i+j's mask, the label is what record i+j committed. This is exactly what the drafter sees at
-depth j of a tree grown from the stale logits of record i.
+depth j of a tree grown from the stale logits of record i. SPOT evaluates its model once per
+tree, at the root (j = 1), and ranks the whole tree from those scores; `root_samples` keeps
+the roots alone, labelled with the order of the target's next commits, to train for exactly
+that.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +38,22 @@ class OrderSamples:
     features: torch.Tensor  # [N, B, F]
     masked: torch.Tensor  # [N, B] bool
     label: torch.Tensor  # [N, B] bool, positions committed next
+    # [N, H, B] bool, positions committed at each of the H steps from the hypothesis on
+    # (following[:, 0] == label; nothing past the end of the block)
+    following: torch.Tensor
     stale_index: torch.Tensor  # [N] record of the stale forward (for its hidden states)
     token_ids: torch.Tensor  # [N, B] tokens the coupled noise draws at the hypothesis step
     threshold: float  # the threshold rule's confidence bar the trajectories were decoded with
 
 
-def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
+def build_samples(
+    traj: Trajectories,
+    config: OrderModelConfig,
+    depths: Sequence[int] | None = None,
+    horizon: int = 1,
+) -> OrderSamples:
+    """Samples at the given hypothesis depths (all of 1..max_lookahead by default), each
+    with the target's next `horizon` commits."""
     meta = traj.meta
     steps_per_block = int(meta["steps_per_block"])
     temperature = float(meta.get("temperature", 0.0))
@@ -48,7 +61,7 @@ def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
     seed = int(meta.get("seed", 0))
     pairs = []
     n = traj.segment.numel()
-    for j in range(1, config.max_lookahead + 1):
+    for j in range(1, config.max_lookahead + 1) if depths is None else depths:
         i = torch.arange(n - j)
         same = traj.segment[i] == traj.segment[i + j]
         pairs.append(torch.stack([i[same], i[same] + j], dim=1))
@@ -81,14 +94,45 @@ def build_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
         (hyp - stale).float(),
         config,
     )
+    following = torch.zeros(hyp.numel(), horizon, traj.block_length, dtype=torch.bool)
+    for k in range(horizon):
+        later = (hyp + k).clamp(max=n - 1)
+        inside = (hyp + k < n) & (traj.segment[later] == traj.segment[hyp])
+        following[:, k] = traj.committed[later] & inside[:, None]
     threshold = float(meta.get("threshold", 0.9))
-    return OrderSamples(features, masked, traj.committed[hyp], stale, token_ids, threshold)
+    return OrderSamples(
+        features, masked, traj.committed[hyp], following, stale, token_ids, threshold
+    )
 
 
-def committed_log_likelihood(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """log P(next position is one of the committed ones), per sample [N]."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return torch.logsumexp(logp.masked_fill(~label, float("-inf")), dim=-1)
+def root_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
+    """SPOT's samples: every step as a tree's root (one step past its stale forward) with
+    the target's next max_lookahead commits."""
+    return build_samples(traj, config, depths=(1,), horizon=config.max_lookahead)
+
+
+def commit_order_log_likelihood(
+    logits: torch.Tensor, masked: torch.Tensor, following: torch.Tensor
+) -> torch.Tensor:
+    """log P of the target's next commits in their order, per sample [N], as a SPOT tree
+    reads one row of scores (Plackett-Luce): each step takes one of its committed positions
+    with the softmax probability over the positions still masked (a step committing several
+    counts as taking any of them), and they all leave. logits [N, B]; masked [N, B];
+    following [N, H, B]. With H = 1: the log-likelihood of the next commit."""
+    scores = logits.masked_fill(~masked, 0.0)  # finite everywhere: masks select below
+    remaining = masked
+    total = torch.zeros(logits.shape[0], dtype=logits.dtype)
+    for k in range(following.shape[1]):
+        step = following[:, k] & remaining
+        taken = step.any(-1)
+        # untaken rows (the block ended) score 0 without touching -inf: both sets equal
+        pool = remaining | ~remaining.any(-1, keepdim=True)
+        chosen = torch.where(taken[:, None], step, pool)
+        log_z = torch.logsumexp(scores.masked_fill(~pool, float("-inf")), dim=-1)
+        log_p = torch.logsumexp(scores.masked_fill(~chosen, float("-inf")), dim=-1) - log_z
+        total = total + torch.where(taken, log_p, torch.zeros_like(log_p))
+        remaining = remaining & ~step
+    return total
 
 
 @torch.no_grad()
@@ -110,12 +154,13 @@ def next_commit_accuracy(model: OrderModel, samples: OrderSamples, batch: int = 
 
 
 def order_log_likelihood(model: OrderModel, samples: OrderSamples, batch: int = 4096) -> float:
-    """Mean log-probability of the committed positions: how well the model's probabilities,
-    which score every path of a draft tree, are calibrated."""
+    """Mean log-probability of the target's following commits in order: how well the
+    model's probabilities, which score every path of a draft tree, are calibrated."""
 
     def total(idx):
         logits = model(samples.features[idx], samples.masked[idx])
-        return float(committed_log_likelihood(logits, samples.label[idx]).sum())
+        ll = commit_order_log_likelihood(logits, samples.masked[idx], samples.following[idx])
+        return float(ll.sum())
 
     return _batch_mean(samples, batch, total)
 
@@ -199,14 +244,17 @@ def train_order_model(
     progress: Callable[[int, int, float], None] | None = None,
     validation: OrderSamples | None = None,
 ) -> tuple[OrderModel, dict]:
-    """The order model and its held-out next-commit accuracy; with `validation` samples, the
-    epoch (0: the untrained model, which is the commit rule's own guess) whose probabilities
-    fit them best (log-likelihood: the tree is grown from those probabilities) is kept."""
+    """The order model and its held-out next-commit accuracy, trained on the likelihood of
+    the commits that follow each sample (the next one from `build_samples`; the order of
+    the next few from `root_samples`); with `validation` samples, the epoch (0: the
+    untrained model, which is the commit rule's own guess) whose probabilities fit them best
+    is kept."""
     model = _init(OrderModel, config, seed)
 
     def batch_loss(idx):
         logits = model(train.features[idx], train.masked[idx])
-        return -committed_log_likelihood(logits, train.label[idx]).mean()
+        ll = commit_order_log_likelihood(logits, train.masked[idx], train.following[idx])
+        return -ll.mean()
 
     n = train.label.shape[0]
     generator = torch.Generator().manual_seed(seed)
@@ -214,6 +262,7 @@ def train_order_model(
     scores = _fit(model, n, batch_loss, epochs, batch_size, lr, generator, progress, validate)
     metrics = {
         "heldout_next_commit_accuracy": next_commit_accuracy(model, heldout),
+        "heldout_order_log_likelihood": order_log_likelihood(model, heldout),
         "train_next_commit_accuracy": next_commit_accuracy(model, train),
         "heldout_samples": int(heldout.label.shape[0]),
         "train_samples": int(n),
