@@ -5,8 +5,9 @@
 # rules) and train SPOT-Sets (threshold rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 # The shipped files were made with (OMP_NUM_THREADS=1, two of these side by side; sdar-tiny's
-# block-32 SPOT takes 27 min, the others 3-10 min per target and block):
-#   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=600 THRESHOLD_PROMPTS=800 EPOCHS=6 bash ...
+# block-32 SPOT takes 13 min, the others 3-10 min per target and block):
+#   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
+#     OBJECTIVE=order bash ...
 #   TARGETS="sdar-nano llada-tiny" BLOCKS="16 32" PROMPTS=300 THRESHOLD_PROMPTS=800 EPOCHS=4 ...
 # (SPOT-Sets with EPOCHS=6 for every target.) The transfer row of the threshold benchmark
 # adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
@@ -31,7 +32,7 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
     $CLI record-trajectories --model "builtin:$target" --out "$static" \
       --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS"
     $CLI train-drafter --kind spot --trajectories "$static" --model "builtin:$target" \
-      --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS"
+      --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS" --objective "${OBJECTIVE:-next}"
     $CLI calibrate-spot --drafter "$out/spot-b$block.safetensors" --model "builtin:$target"
     $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 16
     threshold=$WORK/$target-b$block-threshold.pt
