@@ -37,13 +37,17 @@ from spot.drafters.trajectory import Trajectories
 class OrderSamples:
     features: torch.Tensor  # [N, B, F]
     masked: torch.Tensor  # [N, B] bool
-    label: torch.Tensor  # [N, B] bool, positions committed next
     # [N, H, B] bool, positions committed at each of the H steps from the hypothesis on
-    # (following[:, 0] == label; nothing past the end of the block)
+    # (nothing past the end of the block)
     following: torch.Tensor
     stale_index: torch.Tensor  # [N] record of the stale forward (for its hidden states)
     token_ids: torch.Tensor  # [N, B] tokens the coupled noise draws at the hypothesis step
     threshold: float  # the threshold rule's confidence bar the trajectories were decoded with
+
+    @property
+    def label(self) -> torch.Tensor:
+        """[N, B] bool, positions committed next."""
+        return self.following[:, 0]
 
 
 def build_samples(
@@ -100,9 +104,7 @@ def build_samples(
         inside = (hyp + k < n) & (traj.segment[later] == traj.segment[hyp])
         following[:, k] = traj.committed[later] & inside[:, None]
     threshold = float(meta.get("threshold", 0.9))
-    return OrderSamples(
-        features, masked, traj.committed[hyp], following, stale, token_ids, threshold
-    )
+    return OrderSamples(features, masked, following, stale, token_ids, threshold)
 
 
 def root_samples(traj: Trajectories, config: OrderModelConfig) -> OrderSamples:
