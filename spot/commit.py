@@ -130,15 +130,28 @@ def commit_rule(
     """The target's next block state.
 
     block: [N, B] tokens with mask_id where still masked; logits: [N, B, V] the target's
-    logits for that state; gumbel: [N, B, V] noise of each row's step (None at T=0);
-    k: [N] static count of each row's step; opening: [N] bool, rows whose transition commits
-    the first masked position whatever the rule (Dream's block opening).
+    logits for that state (read at masked positions only); gumbel: [N, B, V] noise of each
+    row's step (None at T=0); k: [N] static count of each row's step; opening: [N] bool, rows
+    whose transition commits the first masked position whatever the rule (Dream's block
+    opening).
     Returns the next block state [N, B].
     """
-    tokens, conf = sample_tokens(
-        logits, gumbel, config.temperature, config.top_k, config.top_p, confidence, mask_id
-    )
     masked = block == mask_id
+    at = masked.to(logits.device)  # only masked positions can commit: sample those alone
+    picked, picked_conf = sample_tokens(
+        logits[at],
+        None if gumbel is None else gumbel.to(logits.device)[at],
+        config.temperature,
+        config.top_k,
+        config.top_p,
+        confidence,
+        mask_id,
+    )
+    tokens = torch.full(block.shape, mask_id, dtype=torch.long, device=logits.device)
+    tokens[at] = picked
+    conf = torch.zeros(block.shape, dtype=torch.float64, device=logits.device)
+    conf[at] = picked_conf
+    conf = conf.to(block.device)
     commit = select_commits(conf, masked, k.to(block.device), config.rule, config.threshold)
     if opening is not None and bool(opening.any()):
         first = masked & (masked.cumsum(dim=-1) == 1)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from spot import noise
@@ -120,3 +121,53 @@ def test_opening_rows_commit_the_first_masked_position_whatever_the_rule():
         torch.tensor([True, False]),
     )
     assert out.tolist() == [[5, 3, 11, 11], [11, 11, 11, 3]]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "rule", "top_k", "top_p"),
+    [(0.0, "static", None, None), (0.8, "static", 50, 0.9), (0.7, "threshold", None, 0.95)],
+)
+def test_commit_rule_reads_masked_positions_only(temperature, rule, top_k, top_p):
+    """Seeded property: the next block is the plain definition (sample every position, then
+    select among the masked ones), whatever the logits of committed positions hold (NaN
+    here), row by row as in a batch."""
+    from spot.commit import commit_rule
+    from spot.config import DecodingConfig
+
+    g = torch.Generator().manual_seed(7)
+    n, b, v, mask_id = 9, 16, 40, 39
+    config = DecodingConfig(
+        gen_length=b,
+        block_length=b,
+        temperature=temperature,
+        rule=rule,
+        threshold=0.6,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    for _ in range(20):
+        logits = torch.randn(n, b, v, generator=g) * 4
+        block = torch.randint(0, mask_id, (n, b), generator=g)
+        block[torch.rand(n, b, generator=g) < torch.rand((), generator=g)] = mask_id
+        u = torch.rand(n, b, v, generator=g, dtype=torch.float64)
+        gumbel = None if temperature == 0.0 else -torch.log(-torch.log(u))
+        k = torch.randint(1, 4, (n,), generator=g)
+        tokens, conf = sample_tokens(logits, gumbel, temperature, top_k, top_p, "tempered", mask_id)
+        masked = block == mask_id
+        commit = select_commits(conf, masked, k, rule, 0.6)
+        expected = torch.where(commit, tokens, block)
+        unread = logits.masked_fill(~masked[..., None], float("nan"))
+        assert torch.equal(
+            commit_rule(block, unread, gumbel, k, config, mask_id, "tempered"), expected
+        )
+        for i in range(n):
+            row = commit_rule(
+                block[i : i + 1],
+                logits[i : i + 1],
+                None if gumbel is None else gumbel[i : i + 1],
+                k[i : i + 1],
+                config,
+                mask_id,
+                "tempered",
+            )
+            assert torch.equal(row[0], expected[i])
