@@ -118,17 +118,20 @@ def _warm_contexts(target: DiffusionTarget, prompts, total: int):
     return contexts
 
 
-def _candidate_windows(seed: int):
-    """Per request: a root, candidates one and two blocks long, the root keeping a block."""
+def _candidate_windows(seed: int, shared: bool):
+    """Per request: a root keeping a block, candidates one and two blocks past it; `shared`:
+    the candidates start with the root's kept block, else they are one to three blocks of
+    their own (nothing shared in the request's row but the cache)."""
     g = torch.Generator().manual_seed(seed)
     windows = []
     for c in range(3):
         done = _tokens(B, seed + c)
         windows.append(Window(c, torch.cat([done, _partly_masked(B, seed + 10 + c)]), B))
-        for k in range(1 + c):
+        for k in range(2 + c):
+            first = [done] if shared else [_tokens(B, seed + 70 + 7 * c + k)][: k % 2]
             tail = _tokens(B, seed + 30 + 7 * c + k) if torch.rand((), generator=g) < 0.5 else None
             block = _partly_masked(B, seed + 50 + 7 * c + k)
-            own = torch.cat([done, block] if tail is None else [done, tail, block])
+            own = torch.cat(first + ([block] if tail is None else [tail, block]))
             windows.append(Window(c, own))
     return windows
 
@@ -143,8 +146,9 @@ def test_batch_of_candidates_equals_each_alone(checkpoints, family, dtype, atol)
     alone = _warm_contexts(target, prompts, total)
     lengths = [target.committed_length(c) for c in together]
     assert len(set(lengths)) == 3  # different cache / committed lengths in one batch
-    for round_seed in (100, 200):  # the second round runs on caches the first one extended
-        windows = _candidate_windows(round_seed)
+    # each round runs on caches the one before extended
+    for round_seed, shared in ((100, True), (200, False), (300, True)):
+        windows = _candidate_windows(round_seed, shared)
         batched = target.score(together, windows, B, output_hidden=True)
         for i, w in enumerate(windows):
             if w.keep:
