@@ -4,11 +4,12 @@
 # (static rule) and calibrate its tree sharpness, calibrate Spiffy (static and threshold
 # rules) and train SPOT-Sets (threshold rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
-# The shipped files were made with (OMP_NUM_THREADS=1, two of these side by side; sdar-tiny's
-# block-32 SPOT takes 13 min, the others 3-10 min per target and block):
+# The shipped files were made with (OMP_NUM_THREADS=1, one target per core; recording 2400
+# prompts takes 2-11 min, training SPOT on them 5-16 min per target and block):
 #   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
 #     OBJECTIVE=order bash ...
-#   TARGETS="sdar-nano llada-tiny" BLOCKS="16 32" PROMPTS=300 THRESHOLD_PROMPTS=800 EPOCHS=4 ...
+# and the same with TARGETS=sdar-nano; llada-tiny's static drafters with
+#   TARGETS=llada-tiny BLOCKS="16 32" PROMPTS=300 THRESHOLD_PROMPTS=800 EPOCHS=4 ...
 # (SPOT-Sets with EPOCHS=6 for every target.) The transfer row of the threshold benchmark
 # adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
 #   .venv/bin/spot-pipeline train-drafter --kind spot-sets --epochs 6 \
