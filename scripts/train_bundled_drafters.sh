@@ -8,10 +8,8 @@
 # prompts takes 2-11 min, training SPOT on them 5-16 min per target and block):
 #   TARGETS=sdar-tiny BLOCKS="32 16" PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
 #     OBJECTIVE=order bash ...
-# and the same with TARGETS=sdar-nano; llada-tiny's static drafters with
-#   TARGETS=llada-tiny BLOCKS="16 32" PROMPTS=300 THRESHOLD_PROMPTS=800 EPOCHS=4 ...
-# (SPOT-Sets with EPOCHS=6 for every target.) The transfer row of the threshold benchmark
-# adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
+# and the same with TARGETS=sdar-nano and TARGETS=llada-tiny. The transfer row of the
+# threshold benchmark adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
 #   .venv/bin/spot-pipeline train-drafter --kind spot-sets --epochs 6 \
 #     --trajectories build/drafters/sdar-tiny-b32-threshold.pt --model builtin:sdar-tiny \
 #     --adapt-from spot/builtin/drafters/sdar-nano/spot-sets-b32-threshold.safetensors \
