@@ -40,12 +40,11 @@ from spot.noise import request_key
 
 
 def load_model_and_tokenizer(path: str, dtype: str = "float32"):
-    from transformers import AutoTokenizer
-
+    from pipeline.tokenizer_build import load_tokenizer
     from spot.models.loading import load_target
 
     local = resolve_builtin(path) if path.startswith("builtin:") else Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
+    tokenizer = load_tokenizer(local)
     return tokenizer, load_target(local, dtype=getattr(torch, dtype))
 
 

@@ -26,13 +26,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 
 def load_model(job: Job) -> tuple[Any, Target]:
     """The tokenizer and target of job.model (a hub id not yet cached is downloaded)."""
-    from transformers import AutoTokenizer
-
+    from pipeline.tokenizer_build import load_tokenizer
     from spot.models.loading import load_target, resolve_checkpoint
 
     directory = resolve_checkpoint(resolve_model_path(job.model.path))
     device = "cuda" if job.resources.num_gpus > 0 else "cpu"  # Ray exposes the replica's GPU
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = load_tokenizer(directory)
     if job.model.tensor_parallel > 1:
         from pipeline.tensor_parallel import replica_target
 

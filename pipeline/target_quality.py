@@ -18,10 +18,9 @@ from pathlib import Path
 
 import click
 import torch
-from transformers import AutoTokenizer
 
 from pipeline.corpus import is_correct, is_well_formed, read_jsonl
-from pipeline.tokenizer_build import chat_prompt
+from pipeline.tokenizer_build import chat_prompt, load_tokenizer
 from spot.builtin import resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
@@ -190,7 +189,7 @@ def evaluate_target_command(
     for reference in targets:
         path = resolve_builtin(reference) if reference.startswith("builtin:") else Path(reference)
         target = load_target(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         for block in (int(b) for b in block_lengths.split(",")):
             row, completions = evaluate(
                 path.name, target, tokenizer, prompts, block, gen_length=gen_length

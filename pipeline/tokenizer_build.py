@@ -32,6 +32,19 @@ DEFAULT_VOCAB_SIZE = 1280
 DEFAULT_TRAINING_EXAMPLES = 20_000
 
 
+def load_tokenizer(directory: str | Path):
+    """A checkpoint directory's tokenizer, of the class its tokenizer_config.json names.
+
+    AutoTokenizer otherwise reads config.json to find that class; transformers does not know
+    the DLM families' model types (sdar, llada), so every load warned that the checkpoint
+    might not fit the model and that its `rope_scaling` key is deprecated."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    return AutoTokenizer.from_pretrained(
+        directory, config=PreTrainedConfig(), local_files_only=True
+    )
+
+
 def chat_prompt(prompt: str) -> str:
     """The chat template applied to one user turn, ready for the assistant's answer (the
     same string `apply_chat_template(..., add_generation_prompt=True)` renders)."""

@@ -10,7 +10,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline import corpus
-from pipeline.tokenizer_build import CHAT_TEMPLATE, MASK, chat_prompt, train_tokenizer
+from pipeline.tokenizer_build import (
+    CHAT_TEMPLATE,
+    MASK,
+    chat_prompt,
+    load_tokenizer,
+    train_tokenizer,
+)
 from spot.builtin import resolve_builtin
 
 
@@ -76,6 +82,21 @@ def test_tokenizer_round_trip_and_special_tokens(bundled_tokenizer):
     assert tok.eos_token == "<|endoftext|>"
     assert len({tok.mask_token_id, tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}) == 3
     assert 1000 <= len(tok) <= 2048
+
+
+def test_checkpoint_tokenizer_loads_without_reading_the_model_config(tmp_path, bundled_tokenizer):
+    """A target directory's tokenizer comes from its tokenizer files alone: config.json names
+    a model type transformers does not know, and reading it only produced warnings."""
+    target = resolve_builtin("builtin:sdar-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((target / name).read_bytes())
+    (tmp_path / "config.json").write_text("not a config")
+    with pytest.raises(OSError):
+        AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = chat_prompt("12 + 7 = ?")
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer(text).input_ids == bundled_tokenizer(text).input_ids
+    assert tokenizer.mask_token == MASK and tokenizer.chat_template == CHAT_TEMPLATE
 
 
 def test_small_numbers_are_single_tokens(bundled_tokenizer):
