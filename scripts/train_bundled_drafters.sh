@@ -5,12 +5,12 @@
 # rules) and train SPOT-Sets (threshold rule).
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 # The shipped files were made with (OMP_NUM_THREADS=1, one target per core; recording 2400
-# prompts takes 2-11 min, training SPOT on them 5-16 min per target and block):
+# prompts takes 2-11 min, training SPOT on them 5-16 min per target and block; 4800 twice
+# that):
 #   TARGETS=sdar-tiny BLOCKS=16 PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
 #     OBJECTIVE=order bash ...
-# the same with TARGETS=sdar-nano and TARGETS=llada-tiny (BLOCKS="32 16"), and sdar-tiny's
-# and sdar-nano's block 32 with PROMPTS=4800 (4800 prompts left sdar-tiny's block 16 where
-# 2400 had it). The transfer
+# the same with TARGETS=sdar-nano and TARGETS=llada-tiny, and every target's block 32 with
+# PROMPTS=4800 (4800 prompts left sdar-tiny's block 16 where 2400 had it). The transfer
 # row of the threshold benchmark adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
 #   .venv/bin/spot-pipeline train-drafter --kind spot-sets --epochs 6 \
 #     --trajectories build/drafters/sdar-tiny-b32-threshold.pt --model builtin:sdar-tiny \
