@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer
 
 from pipeline.corpus import is_well_formed
 from pipeline.target_quality import completion_text
-from pipeline.tokenizer_build import chat_prompt
+from pipeline.tokenizer_build import chat_prompt, load_tokenizer
 from spot.builtin import builtin_targets, resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
@@ -51,7 +50,7 @@ def test_checkpoint_is_in_the_family_format_and_small(name):
 @pytest.mark.parametrize("name", sorted(BUNDLED))
 def test_bundled_target_answers_a_fixed_prompt_well_formed(name):
     path = resolve_builtin(name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     target = load_target(path, dtype=torch.float32)
     ids = tokenizer.encode(chat_prompt(PROMPT["prompt"]), add_special_tokens=False)
     config = DecodingConfig(gen_length=64, block_length=32)

@@ -379,11 +379,9 @@ def test_real_sdar_tokenizer_chat_prompt_decodes_like_the_reference(tmp_path):
     project reads from the checkpoint are the tokenizer's `<|MASK|>`, `<|im_end|>` and
     `<|endoftext|>`; a chat prompt decodes on a tiny SDAR of the real vocabulary exactly as
     SDAR's loop decodes it, and stops at the end of the turn."""
-    from transformers import AutoTokenizer
+    from pipeline.tokenizer_build import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        SDAR_CHAT, local_files_only=True, trust_remote_code=False
-    )
+    tokenizer = load_tokenizer(SDAR_CHAT)
     decoding = load_model(SDAR_CHAT, device="meta").decoding
     assert tokenizer.mask_token == "<|MASK|>"
     assert decoding.mask_id == tokenizer.mask_token_id == 151669
