@@ -77,12 +77,15 @@ class DraftInput:
             self._drawn["gumbel", step] = noise.gumbel(self.config.seed, self.key, step, shape)
         return self._drawn["gumbel", step]
 
+    def noise_step(self, step: int) -> int:
+        """The step whose noise a draw at `step` uses: 0 for every step at T=0, where no noise
+        enters, so that draws are made (and cached) once."""
+        return 0 if self.config.temperature == 0.0 else step
+
     def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B] and confidences [B] the commit rule would take from the stale logits
-        at `step` (the target's own draw if its distribution has not moved); cached, once for
-        all steps at T=0 where no noise enters."""
-        if self.config.temperature == 0.0:
-            step = 0
+        at `step` (the target's own draw if its distribution has not moved); cached."""
+        step = self.noise_step(step)
         if step not in self._drawn:
             c = self.config
             self._drawn[step] = sample_tokens(

@@ -370,6 +370,29 @@ def test_encoder_keeps_torchs_transformer_encoder_keys_and_outputs():
         torch.testing.assert_close(encoder(x), reference.eval()(x), rtol=1e-5, atol=1e-5)
 
 
+def test_inference_copies_of_the_weights_follow_every_change():
+    """Without autograd the drafters multiply by cached [in, out] copies of their weights: the
+    same function as the autograd path, after an optimizer step and after load_state_dict."""
+    encoder, other = Encoder(SMALL), Encoder(SMALL)
+    x = torch.randn(3, 16, SMALL.d_model, generator=torch.Generator().manual_seed(1))
+
+    def both_paths():
+        with torch.no_grad():
+            cached = encoder(x)
+        torch.testing.assert_close(cached, encoder(x).detach(), rtol=1e-5, atol=1e-5)
+        return cached
+
+    before = both_paths()
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.5)
+    encoder(x).square().mean().backward()
+    optimizer.step()
+    stepped = both_paths()
+    assert (stepped - before).abs().max() > 1e-3
+    encoder.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(both_paths(), other(x), rtol=1e-5, atol=1e-5)
+
+
 def test_commit_order_log_likelihood_of_hand_written_orders():
     """Plackett-Luce over the positions still masked, a multi-position step taking any of
     its positions; with one step, the next commit's log-likelihood."""

@@ -132,6 +132,34 @@ def order_features(
     )
 
 
+def affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cache: dict) -> torch.Tensor:
+    """x [..., in] @ weight [out, in].T + bias, as F.linear.
+
+    Without autograd (drafting, evaluation) it multiplies by a contiguous [in, out] copy of the
+    weight kept in `cache` until the weight changes (optimizer step, load_state_dict): MKL runs
+    these drafters' GEMMs of 32 rows 1.3-1.9x faster on it than on the transposed view
+    F.linear hands it (one thread: 128 -> 512 40 -> 29 us, 512 -> 128 55 -> 28 us).
+    """
+    if torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    key = (weight.data_ptr(), weight._version)
+    if cache.get("key") != key:
+        cache["key"], cache["weight"] = key, weight.detach().t().contiguous()
+    flat = torch.addmm(bias, x.reshape(-1, x.shape[-1]), cache["weight"])
+    return flat.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and keys) whose inference runs on `affine`'s cached copy."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features)
+        self.input_major: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return affine(x, self.weight, self.bias, self.input_major)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention over a block's positions, no mask."""
 
@@ -140,13 +168,14 @@ class SelfAttention(nn.Module):
         self.num_heads = num_heads
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.in_proj_input_major: dict = {}
+        self.out_proj = Linear(d_model, d_model)
         nn.init.xavier_uniform_(self.in_proj_weight)
         nn.init.zeros_(self.out_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, b, d = x.shape  # [N, B, D]
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        qkv = affine(x, self.in_proj_weight, self.in_proj_bias, self.in_proj_input_major)
         q, k, v = qkv.view(n, b, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v)  # [N, heads, B, D / heads]
         return self.out_proj(out.transpose(1, 2).reshape(n, b, d))
@@ -163,8 +192,8 @@ class EncoderLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, ff_size: int):
         super().__init__()
         self.self_attn = SelfAttention(d_model, num_heads)
-        self.linear1 = nn.Linear(d_model, ff_size)
-        self.linear2 = nn.Linear(ff_size, d_model)
+        self.linear1 = Linear(d_model, ff_size)
+        self.linear2 = Linear(ff_size, d_model)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
 
@@ -201,19 +230,18 @@ class OrderModel(nn.Module):
     def __init__(self, config: OrderModelConfig):
         super().__init__()
         self.config = config
-        self.input = nn.Linear(config.num_features, config.d_model)
+        self.input = Linear(config.num_features, config.d_model)
         self.position = nn.Embedding(config.max_block_length, config.d_model)
         self.encoder = Encoder(config)
         self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, 1)
+        self.head = Linear(config.d_model, 1)
         nn.init.zeros_(self.head.weight)  # untrained, the model is the rule's own guess
         nn.init.zeros_(self.head.bias)
         self.prior_scale = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, features: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         b = features.shape[1]
-        positions = torch.arange(b, device=features.device)
-        h = self.input(features) + self.position(positions)
+        h = self.input(features) + self.position.weight[:b]
         h = self.norm(self.encoder(h))
         doubt = features[..., self.config.log_doubt_index] * DOUBT_SCALE  # log(1 - confidence)
         logits = self.head(h).squeeze(-1) - self.prior_scale * doubt

@@ -51,6 +51,7 @@ class _Growing:
 
     def draw(self, step: int) -> tuple[list[int], list[float]]:
         """The drafted tokens and their log-confidences at `step`, as lists (read per node)."""
+        step = self.inp.noise_step(step)
         if step not in self.drawn:
             tokens, conf = self.inp.draw(step)
             log_conf = conf.double().clamp_min(1e-30).log()

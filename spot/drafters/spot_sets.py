@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spot.drafters.order_model import DOUBT_SCALE, Encoder, OrderModelConfig
+from spot.drafters.order_model import DOUBT_SCALE, Encoder, Linear, OrderModelConfig
 from spot.drafters.spot import BestFirstDrafter
 
 
@@ -43,13 +43,13 @@ class SetModel(nn.Module):
         super().__init__()
         self.config = config
         d = config.d_model
-        self.input = nn.Linear(config.num_features, d)
-        self.hidden_proj = nn.Linear(config.target_hidden_size, d)
-        self.token_proj = nn.Linear(config.target_hidden_size, d)
+        self.input = Linear(config.num_features, d)
+        self.hidden_proj = Linear(config.target_hidden_size, d)
+        self.token_proj = Linear(config.target_hidden_size, d)
         self.position = nn.Embedding(config.max_block_length, d)
         self.encoder = Encoder(config)
         self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, 1)
+        self.head = Linear(d, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         self.prior_scale = nn.Parameter(torch.tensor(1.0))
@@ -61,7 +61,7 @@ class SetModel(nn.Module):
             self.input(features)
             + self.hidden_proj(hidden.float())
             + self.token_proj(token_embeddings.float())
-            + self.position(torch.arange(b, device=features.device))
+            + self.position.weight[:b]
         )
         logits = self.head(self.norm(self.encoder(h))).squeeze(-1)
         c = self.config
