@@ -6,11 +6,12 @@
 #   TARGETS="sdar-tiny" BLOCKS="32" EPOCHS=6 bash scripts/train_bundled_drafters.sh
 # The shipped files were made with (OMP_NUM_THREADS=1, one target per core; recording 2400
 # prompts takes 2-11 min, training SPOT on them 5-16 min per target and block; 4800 twice
-# that):
+# that, 9600 four times: 17 min recording and 43 min training on sdar-tiny):
 #   TARGETS=sdar-tiny BLOCKS=16 PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
 #     OBJECTIVE=order bash ...
 # the same with TARGETS=sdar-nano and TARGETS=llada-tiny, and every target's block 32 with
-# PROMPTS=4800 (4800 prompts left sdar-tiny's block 16 where 2400 had it). The transfer
+# PROMPTS=4800, sdar-tiny's with PROMPTS=9600 (4800 prompts left sdar-tiny's block 16 where
+# 2400 had it). The transfer
 # row of the threshold benchmark adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
 #   .venv/bin/spot-pipeline train-drafter --kind spot-sets --epochs 6 \
 #     --trajectories build/drafters/sdar-tiny-b32-threshold.pt --model builtin:sdar-tiny \
