@@ -10,8 +10,8 @@
 #   TARGETS=sdar-tiny BLOCKS=16 PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
 #     OBJECTIVE=order bash ...
 # the same with TARGETS=sdar-nano and TARGETS=llada-tiny, and every target's block 32 with
-# PROMPTS=4800, sdar-tiny's with PROMPTS=9600 (4800 prompts left sdar-tiny's block 16 where
-# 2400 had it). The transfer
+# PROMPTS=4800, sdar-tiny's and llada-tiny's with PROMPTS=9600 (4800 prompts left
+# sdar-tiny's block 16 where 2400 had it). The transfer
 # row of the threshold benchmark adapts sdar-nano's SPOT-Sets to sdar-tiny's width:
 #   .venv/bin/spot-pipeline train-drafter --kind spot-sets --epochs 6 \
 #     --trajectories build/drafters/sdar-tiny-b32-threshold.pt --model builtin:sdar-tiny \
