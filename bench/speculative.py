@@ -193,6 +193,13 @@ def main() -> None:
         help="extra budgets for the oracle rows: the best tokens/s any order predictor reaches",
     )
     p.add_argument(
+        "--larger-budgets",
+        type=lambda text: [int(b) for b in text.split(",") if b],
+        default=[],
+        help="extra rows of this target's own drafters at these budgets (NFE: do larger trees "
+        "close the gap to the oracle?); the oracle rows take them too",
+    )
+    p.add_argument(
         "--rule-sharpness",
         type=lambda text: [float(x) for x in text.split(",") if x],
         default=[1.0, 4.0],
@@ -274,13 +281,15 @@ def bench_target(name: str, args) -> None:
                 row = measure(label + " auto", "auto", auto)
                 row.budget = f"auto→{auto.chosen}"
                 rows.append(row)
+                for budget in args.larger_budgets:
+                    rows.append(measure(label, budget, load_drafter(kind, path, budget, target)))
     if args.rule == "static":
         for sharpness in args.rule_sharpness:
             untrained = OrderModel(OrderModelConfig())
             untrained.prior_scale.data.fill_(sharpness)
             label = f"SPOT untrained (the rule's guess, x{sharpness:g})"
             rows.append(measure(label, args.budget, SpotDrafter(untrained, args.budget)))
-        for budget in sorted({args.budget, *args.oracle_budgets}):
+        for budget in sorted({args.budget, *args.oracle_budgets, *args.larger_budgets}):
             oracle = OrderOracle(commits, budget)
             rows.append(measure("order oracle", budget, oracle))
     print(table(name, rows, config, args.batch_size, exact_to=base_name))
