@@ -4,9 +4,10 @@ in one process, one table per target. Ratios are what to read: this machine is n
     .venv/bin/python bench/speculative.py --targets sdar-tiny --prompts 40 --block-length 32
 
 Rows: draft-free; Spiffy (the budget's most frequent paths of its calibrated graph) and SPOT,
-each at the fixed budget (NFE-optimal) and with `auto` (throughput-optimal from the measured
-forward cost); SPOT with an untrained order model (exactly the rule's own guess, most
-confident first: what training adds), also with sharper scores (--rule-sharpness); a perfect
+each at the fixed budget (NFE-optimal), with `auto` (throughput-optimal from the measured
+forward cost) and at any --larger-budgets (the oracle too: do larger trees close the gap?);
+SPOT with an untrained order model (exactly the rule's own guess, most confident first: what
+training adds), also with sharper scores (--rule-sharpness); a perfect
 order oracle (true next positions, tokens drafted from the stale logits like SPOT) with the
 same budget and with small ones, to show what order prediction alone could reach in NFE and
 in tokens/s; transfer rows (a drafter trained on another bundled target, unchanged; for
