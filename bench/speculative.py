@@ -82,16 +82,22 @@ class OrderOracle:
         return trees
 
 
-STOPS = ("no draft", "budget", "order", "token")
+STOPS = ("no draft", "budget", "order", "token", "end")
 
 
-def walk_stop(tree: DraftTree, path: list[int], target_commits: torch.Tensor, mask_id: int) -> str:
+def walk_stop(
+    tree: DraftTree, path: list[int], target_commits: torch.Tensor, ended: bool, mask_id: int
+) -> str:
     """Why a verification walk stopped at its last accepted node: the tree was the root alone
     (no stale logits for this block yet), the node was a leaf (budget), no child commits the
-    positions the target committed (order), or one does but with other tokens (token).
-    target_commits: [B] the positions the target committed from that node."""
+    positions the target committed (order), one does but with other tokens (token), or the
+    target's transition from it ended the request (end: nothing was left to draft).
+    target_commits: [B] the positions the target committed from that node; ended: that
+    transition completed the request."""
     if len(tree.nodes) == 1:
         return "no draft"
+    if ended:
+        return "end"
     last = tree.nodes[path[-1]]
     children = tree.children(path[-1])
     if not children:
@@ -106,9 +112,12 @@ def walk_stop(tree: DraftTree, path: list[int], target_commits: torch.Tensor, ma
     return "order"
 
 
-def run(name, budget, target, requests, config, batch_size, commits=None, drafter=None) -> Row:
+def run(
+    name, budget, target, requests, config, batch_size, commits=None, ends=(), drafter=None
+) -> Row:
     """commits: (request key, step) -> [B] positions the target commits from that step, from
-    a draft-free run of `config`; with it, why each walk stopped is counted."""
+    a draft-free run of `config`, and ends: the (request key, step) whose transition completed
+    the request; with them, why each walk stopped is counted."""
     nfe, outputs = [], []
     steps = tokens = 0
     drafter_seconds = 0.0
@@ -118,8 +127,8 @@ def run(name, budget, target, requests, config, batch_size, commits=None, drafte
         batch = requests[s : s + batch_size]
 
         def on_walk(index, tree, path, batch=batch):
-            truth = commits[(batch[index].key, tree.nodes[path[-1]].step)]
-            stops[walk_stop(tree, path, truth, target.mask_id)] += 1
+            at = (batch[index].key, tree.nodes[path[-1]].step)
+            stops[walk_stop(tree, path, commits[at], at in ends, target.mask_id)] += 1
 
         observe = None if commits is None else on_walk
         for r in generate(target, batch, config, drafter=drafter, on_walk=observe):
@@ -235,6 +244,7 @@ def bench_target(name: str, args) -> None:
         )
     )
     commits: dict[tuple[int, int], torch.Tensor] = {}
+    ends: set[tuple[int, int]] = set()
     keys = []
 
     def record(index, state, logits, successor, hidden):
@@ -242,10 +252,14 @@ def bench_target(name: str, args) -> None:
         width = state.span.numel()
         before, after = state.block(b), successor.span[width - b : width]
         commits[(keys[index], state.step)] = (before == target.mask_id) & (after != before)
+        if successor.done:
+            ends.add((keys[index], state.step))
 
     def measure(label, budget, drafter=None):
         """A row of this table's decoding, its walks classified against the draft-free run."""
-        return run(label, budget, target, requests, config, args.batch_size, commits, drafter)
+        return run(
+            label, budget, target, requests, config, args.batch_size, commits, ends, drafter
+        )
 
     rows = []
     if args.rule == "threshold":
