@@ -257,9 +257,7 @@ def bench_target(name: str, args) -> None:
 
     def measure(label, budget, drafter=None):
         """A row of this table's decoding, its walks classified against the draft-free run."""
-        return run(
-            label, budget, target, requests, config, args.batch_size, commits, ends, drafter
-        )
+        return run(label, budget, target, requests, config, args.batch_size, commits, ends, drafter)
 
     rows = []
     if args.rule == "threshold":
