@@ -55,7 +55,10 @@ class Result:
 class DraftInput:
     """What a drafter sees of one request: the root to grow a tree from, the stale logits
     (the target's last exact logits, for the state before the root) and the means to draw a
-    drafted step's tokens with the coupled noise the target will use."""
+    drafted step's tokens with the coupled noise the target will use.
+
+    `noise` holds the iteration's Gumbel noise by (request key, step): the commit rule then
+    verifies the tree with the same tensors instead of drawing them again."""
 
     layout: Layout
     root: State
@@ -66,16 +69,14 @@ class DraftInput:
     config: DecodingConfig
     confidence: ConfidenceName
 
+    noise: dict = field(default_factory=dict, compare=False, repr=False)
     _drawn: dict = field(default_factory=dict, compare=False, repr=False)
 
     def gumbel(self, step: int) -> torch.Tensor | None:
         """Noise g[step] [B, V] of this request, None at T=0; cached."""
         if self.config.temperature == 0.0:
             return None
-        if ("gumbel", step) not in self._drawn:
-            shape = tuple(self.stale_logits.shape)
-            self._drawn["gumbel", step] = noise.gumbel(self.config.seed, self.key, step, shape)
-        return self._drawn["gumbel", step]
+        return _gumbel(self.noise, self.config.seed, self.key, step, self.stale_logits.shape)
 
     def noise_step(self, step: int) -> int:
         """The step whose noise a draw at `step` uses: 0 for every step at T=0, where no noise
@@ -98,6 +99,13 @@ class DraftInput:
                 self.layout.mask_id,
             )
         return self._drawn[step]
+
+
+def _gumbel(cache: dict, seed: int, key: int, step: int, shape) -> torch.Tensor:
+    """noise.gumbel(seed, key, step, shape), drawn once per (key, step) of `cache`."""
+    if (key, step) not in cache:
+        cache[key, step] = noise.gumbel(seed, key, step, tuple(shape))
+    return cache[key, step]
 
 
 class Trace(Protocol):
@@ -159,9 +167,12 @@ def generate(
         active = [a for a in active if not _finish_if_done(a, results, start)]
         if not active:
             break
-        trees = _propose(drafter, active, requests, config, confidence)
+        round_noise: dict = {}  # (request key, step) -> Gumbel noise, drafter and commit rule
+        trees = _propose(drafter, active, requests, config, confidence, round_noise)
         scores = _score(target, active, trees, config.block_length, hidden)
-        successors = _successors(active, trees, scores, requests, config, target, confidence)
+        successors = _successors(
+            active, trees, scores, requests, config, target, confidence, round_noise
+        )
         offset = 0
         for a, tree in zip(active, trees):
             nodes = len(tree.nodes)
@@ -241,6 +252,7 @@ def _propose(
     requests: Sequence[Request],
     config: DecodingConfig,
     confidence: ConfidenceName,
+    round_noise: dict,
 ) -> list[DraftTree]:
     trees = [DraftTree.single(a.root) for a in active]
     drafting = [i for i, a in enumerate(active) if a.stale_logits is not None]
@@ -256,6 +268,7 @@ def _propose(
             requests[active[i].index].key,
             config,
             confidence,
+            round_noise,
         )
         for i in drafting
     ]
@@ -295,6 +308,7 @@ def _successors(
     config: DecodingConfig,
     target: Target,
     confidence: ConfidenceName,
+    round_noise: dict,
 ) -> list[State]:
     """Every scored node's exact next state, in one batched commit-rule call."""
     b = config.block_length
@@ -306,14 +320,12 @@ def _successors(
     gumbel = None
     if config.temperature > 0.0:
         shape = (b, scores.logits.shape[-1])
-        cache: dict[tuple[int, int], torch.Tensor] = {}
-        rows = []
-        for a, node in owners:
-            key = (requests[a.index].key, node.step)
-            if key not in cache:
-                cache[key] = noise.gumbel(config.seed, key[0], key[1], shape)
-            rows.append(cache[key])
-        gumbel = torch.stack(rows)
+        gumbel = torch.stack(
+            [
+                _gumbel(round_noise, config.seed, requests[a.index].key, node.step, shape)
+                for a, node in owners
+            ]
+        )
     opening = torch.tensor([a.layout.opening_commit and node.block_step == 0 for a, node in owners])
     next_blocks = commit_rule(
         blocks, scores.logits, gumbel, k, config, target.mask_id, confidence, opening
