@@ -79,7 +79,11 @@ def measure_forward_cost(
     states: Sequence[int],
     repeats: int = 3,
 ) -> ForwardCost:
-    """Time `score` for growing numbers of candidate blocks over one cached prefix."""
+    """Time `score` for growing numbers of candidate blocks over one cached prefix; per width
+    the median of `repeats` calls after a warm-up, so that a burst of other work on a shared
+    machine does not skew the cost curve. (Widths are timed one after another, not in
+    interleaved rounds: a narrow forward right after a wide one runs on a colder cache than
+    draft-free decoding's back-to-back ones, which made every wider tree look cheaper.)"""
     if prefix_length % block_length:
         raise ValueError("prefix_length must be a multiple of block_length")
     g = torch.Generator().manual_seed(0)
@@ -95,10 +99,12 @@ def measure_forward_cost(
     for n in states:
         windows = [Window(0, window.clone()) for _ in range(n)]
         target.score([context], windows, block_length)  # warm-up
-        t0 = time.perf_counter()
+        calls = []
         for _ in range(repeats):
+            t0 = time.perf_counter()
             target.score([context], windows, block_length)
-        seconds.append((time.perf_counter() - t0) / repeats)
+            calls.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(calls))
     return ForwardCost(tuple(states), tuple(seconds))
 
 
