@@ -116,6 +116,35 @@ def test_an_oracle_chain_is_accepted_whole(temperature):
         assert d.stats.nfe == 1 + -(-(p.stats.steps - 1) // 4)
 
 
+def test_noise_of_steps_ahead_serves_the_next_tree_and_steps_behind_are_dropped():
+    """The Gumbel noise a tree drew for steps its walk did not reach is the next tree's (the
+    same tensors, not drawn again); no step behind a request's root is kept."""
+    target = ToyTarget(seed=4)
+    config = DecodingConfig(gen_length=16, block_length=4, temperature=0.8, seed=1)
+    requests = make_requests([5, 9])
+    seen: dict[int, list[tuple[int, dict]]] = {}
+
+    class LookAhead:
+        def propose(self, inputs):
+            for inp in inputs:
+                assert all(s >= inp.root.step for k, s in inp.noise if k == inp.key)
+                ahead = {s: inp.gumbel(s) for s in range(inp.root.step, inp.root.step + 3)}
+                seen.setdefault(inp.key, []).append((inp.root.step, ahead))
+            return [DraftTree.single(inp.root) for inp in inputs]
+
+    plain = generate(target, requests, config)
+    assert tokens(generate(target, requests, config, drafter=LookAhead())) == tokens(plain)
+    reused = 0
+    for calls in seen.values():
+        assert len(calls) > 4
+        for (step, ahead), (next_step, next_ahead) in zip(calls, calls[1:]):
+            assert next_step == step + 1  # single-node trees: one step per forward
+            for s in range(next_step, step + 3):
+                assert next_ahead[s] is ahead[s]
+                reused += 1
+    assert reused > 0
+
+
 def test_draft_free_stats_and_tail():
     target = ToyTarget(seed=0)
     config = DecodingConfig(gen_length=16, block_length=4)
