@@ -77,7 +77,7 @@ class DraftInput:
         """Noise g[step] [B, V] of this request, None at T=0; cached."""
         if self.config.temperature == 0.0:
             return None
-        return _gumbel(self.noise, self.config.seed, self.key, step, self.stale_logits.shape)
+        return _gumbel(self.noise, self.config.seed, self.key, step, self.stale_logits)
 
     def noise_step(self, step: int) -> int:
         """The step whose noise a draw at `step` uses: 0 for every step at T=0, where no noise
@@ -102,10 +102,11 @@ class DraftInput:
         return self._drawn[step]
 
 
-def _gumbel(cache: dict, seed: int, key: int, step: int, shape) -> torch.Tensor:
-    """noise.gumbel(seed, key, step, shape), drawn once per (key, step) of `cache`."""
+def _gumbel(cache: dict, seed: int, key: int, step: int, like: torch.Tensor) -> torch.Tensor:
+    """noise.gumbel(seed, key, step) of the shape [B, V] of `like` on its device, drawn once
+    per (key, step) of `cache`."""
     if (key, step) not in cache:
-        cache[key, step] = noise.gumbel(seed, key, step, tuple(shape))
+        cache[key, step] = noise.gumbel(seed, key, step, tuple(like.shape[-2:]), like.device)
     return cache[key, step]
 
 
@@ -334,10 +335,10 @@ def _successors(
     )
     gumbel = None
     if config.temperature > 0.0:
-        shape = (b, scores.logits.shape[-1])
+        like = scores.logits[0]  # [B, V]
         gumbel = torch.stack(
             [
-                _gumbel(step_noise, config.seed, requests[a.index].key, node.step, shape)
+                _gumbel(step_noise, config.seed, requests[a.index].key, node.step, like)
                 for a, node in owners
             ]
         )

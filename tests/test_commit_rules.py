@@ -73,6 +73,39 @@ def test_noise_is_keyed_not_streamed():
     assert noise.request_key("row-1") != noise.request_key("row-2")
 
 
+def test_noise_is_the_splitmix64_stream_of_the_step_key_read_row_major():
+    # the scalar reference in plain integers: the tensor version emulates unsigned 64-bit
+    # arithmetic with int64 ops, whose wrap-around and arithmetic shifts this would catch
+    key, vocab = noise.step_key(7, noise.request_key("row-1"), 3), 11
+    g = noise.gumbel(7, noise.request_key("row-1"), 3, (5, vocab))
+    expected = torch.empty(5, vocab, dtype=torch.float64)
+    for p in range(5):
+        for v in range(vocab):
+            x = noise._splitmix64(key + (p * vocab + v) * 0x9E3779B97F4A7C15)
+            expected[p, v] = -math.log(-math.log(((x >> 11) + 0.5) * 2.0**-53))
+    assert torch.allclose(g, expected, rtol=1e-15, atol=0)
+
+
+def test_noise_does_not_depend_on_how_the_cpu_chunks_it(monkeypatch):
+    whole = noise.gumbel(3, 5, 8, (6, 1000))
+    monkeypatch.setattr(noise, "_CPU_CHUNK", 1000)  # one row per chunk
+    assert torch.equal(noise.gumbel(3, 5, 8, (6, 1000)), whole)
+    monkeypatch.setattr(noise, "_CPU_CHUNK", 2500)  # two rows, then two, then two
+    assert torch.equal(noise.gumbel(3, 5, 8, (6, 1000)), whole)
+    # the extremes of a large draw stay finite and the moments are Gumbel's
+    g = noise.gumbel(0, 1, 2, (4, 50_000))
+    assert torch.isfinite(g).all()
+    assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi**2 / 6) < 0.03
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_noise_made_on_a_gpu_is_the_noise_made_on_the_cpu():
+    on_gpu = noise.gumbel(7, 11, 3, (32, 151936), "cuda")
+    assert on_gpu.device.type == "cuda"
+    # the same integers; the two logarithms may round differently in the last place
+    assert torch.allclose(on_gpu.cpu(), noise.gumbel(7, 11, 3, (32, 151936)), rtol=1e-14, atol=0)
+
+
 def test_request_key_is_stable_across_processes_and_versions():
     # blake2b of the id: changing this breaks reproducibility of every written corpus
     assert noise.request_key("q-0") == 7390136665158179620

@@ -4,6 +4,7 @@ Whatever the order model's quality, the output must equal draft-free decoding; a
 must also save forwards.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -103,6 +104,22 @@ def test_trajectories_roundtrip_and_trained_model_saves_forwards(tmp_path, sampl
     nfe_plain = sum(r.stats.nfe for r in plain)
     nfe_drafted = sum(r.stats.nfe for r in drafted)
     assert nfe_drafted < 0.7 * nfe_plain, (nfe_drafted, nfe_plain)
+
+
+def test_samples_at_positive_temperature_need_the_noise_their_recording_drew():
+    """A T>0 recording's features are recomputed from the coupled noise: trajectories drawn
+    with another generator would train on draws the target never made, so they are refused."""
+    target = ToyTarget(seed=3, sharpness=4.0)
+    config = DecodingConfig(gen_length=16, block_length=8, temperature=0.8, seed=2)
+    traj = record(target, requests(4, seed=5), config)
+    assert traj.meta["noise"] == "splitmix64-stream"
+    assert build_samples(traj, SMALL).features.shape[0] > 0
+    older = dataclasses.replace(traj, meta=traj.meta | {"noise": "mt19937"})
+    with pytest.raises(ValueError, match="record them again"):
+        build_samples(older, SMALL)
+    at_zero = record(target, requests(4, seed=5), DecodingConfig(gen_length=16, block_length=8))
+    at_zero.meta.pop("noise")
+    assert build_samples(at_zero, SMALL).features.shape[0] > 0  # T=0 reads no noise
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

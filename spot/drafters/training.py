@@ -79,6 +79,12 @@ def build_samples(
         conf = noisy_confidence(top_logprobs, top_ids, None, 0.0, confidence)
         token_ids = top_ids[..., 0]
     else:
+        if meta.get("noise") != noise.GENERATOR:
+            raise ValueError(
+                f"trajectories recorded at T={temperature} with noise generator "
+                f"{meta.get('noise', 'before splitmix64-stream')!r}, not {noise.GENERATOR!r}: "
+                "their features cannot be recomputed; record them again"
+            )
         vocab = int(meta["vocab_size"])
         b = traj.block_length
         conf = torch.empty(top_logprobs.shape[:2], dtype=torch.float64)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from spot import noise
 from spot.drafters.order_model import stale_top
 from spot.tree import State
 
@@ -128,7 +129,8 @@ class TrajectoryRecorder:
         )
 
     def result(self, meta: dict) -> Trajectories:
-        """All records, each segment's consecutive and in step order."""
+        """All records, each segment's consecutive and in step order; `meta` (the decoding
+        they were recorded with) gains the noise generator that decoding drew from."""
         rows = sorted(self._rows, key=lambda r: (r[5], r[6]))
         cols = list(zip(*rows))
         return Trajectories(
@@ -142,5 +144,5 @@ class TrajectoryRecorder:
             step=torch.tensor(cols[7], dtype=torch.int64),
             key=torch.tensor(cols[8], dtype=torch.int64),
             hidden=torch.stack(cols[9]) if self.needs_hidden else None,
-            meta=meta,
+            meta=meta | {"noise": noise.GENERATOR},
         )
