@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -84,10 +85,15 @@ class Layout:
             if block_step == 0:
                 return 1
             block_step -= 1
-            schedule = transfer_schedule(self.block_length - 1, self.steps_per_block)
-        else:
-            schedule = transfer_schedule(self.block_length, self.steps_per_block)
+        schedule = self._schedule
         return schedule[block_step] if block_step < len(schedule) else self.block_length
+
+    @cached_property
+    def _schedule(self) -> tuple[int, ...]:
+        """Commit counts of a block's steps (after the opening commit, when there is one);
+        kept, since drafters ask for every node they grow."""
+        shared = self.block_length - 1 if self.opening_commit else self.block_length
+        return tuple(transfer_schedule(shared, self.steps_per_block))
 
     def ends_request(self, block_start: int, block: torch.Tensor) -> bool:
         """A fully committed block ends the request if it is the last one or holds an EOS

@@ -205,6 +205,21 @@ def test_spot_ranks_a_whole_tree_from_one_evaluation_of_the_root():
     assert model.calls == 1
 
 
+def test_drafted_tokens_at_zero_temperature_are_the_commit_rules_never_the_mask():
+    # the mask token (11) tops position 0's stale logits: the rule takes the runner-up, token 3
+    inp = _hand_built_input([9.0, 9.0, 9.0, 9.0], rest=-9.0)
+    inp.stale_logits[0, 11] = 12.0
+    tokens, _ = inp.draw(inp.root.step)
+    assert tokens.tolist() == [3, 4, 5, 6]
+    tree = SpotDrafter(_FixedOrder([2.0, 1.0, 0.0, 5.0]), budget=3, branching=1).propose([inp])[0]
+    assert [n.block(4).tolist() for n in tree.nodes] == [
+        [11, 11, 11, 6],
+        [3, 11, 11, 6],
+        [3, 4, 11, 6],
+        [3, 4, 5, 6],
+    ]
+
+
 def _threshold_input(root_block, stale_logits, threshold):
     from spot.decode import DraftInput
     from spot.tree import Layout, State

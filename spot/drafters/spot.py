@@ -50,11 +50,20 @@ class _Growing:
     drawn: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     def draw(self, step: int) -> tuple[list[int], list[float]]:
-        """The drafted tokens and their log-confidences at `step`, as lists (read per node)."""
+        """The drafted tokens and their log-confidences at `step`, as lists (read per node).
+
+        At T=0 they are read off the stale top-k, which holds the argmax and its
+        log-probability already (a second pass over [B, V] cost ~7% of a SPOT proposal)."""
         step = self.inp.noise_step(step)
         if step not in self.drawn:
-            tokens, conf = self.inp.draw(step)
-            log_conf = conf.double().clamp_min(1e-30).log()
+            if self.inp.config.temperature == 0.0:
+                # the mask token is never drawn: where it is the top, the runner-up is
+                second = self.top_ids[:, 0] == self.inp.layout.mask_id
+                tokens = torch.where(second, self.top_ids[:, 1], self.top_ids[:, 0])
+                log_conf = torch.where(second, self.top_logprobs[:, 1], self.top_logprobs[:, 0])
+            else:
+                tokens, conf = self.inp.draw(step)
+                log_conf = conf.double().clamp_min(1e-30).log()
             self.drawn[step] = (tokens.tolist(), log_conf.tolist())
         return self.drawn[step]
 
