@@ -7,6 +7,8 @@ decision on every batch layout; ties are broken by the lower position index.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from spot.config import ConfidenceName, DecodingConfig
@@ -33,6 +35,43 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
     return logits
 
 
+@dataclass(frozen=True)
+class SamplingScores:
+    """What sampling from one set of logits needs before the noise: a drafter draws many
+    steps from the same stale logits, each with its own noise, and prepares them once."""
+
+    scores: torch.Tensor  # [..., V] float64: tempered, filtered logits (T=0: the logits), mask -inf
+    probs: torch.Tensor  # [..., V] float64: the distribution confidences are read from
+
+
+def sampling_scores(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    confidence: ConfidenceName = "tempered",
+    mask_id: int | None = None,
+) -> SamplingScores:
+    """The noise-free part of `sample_tokens` (same arguments)."""
+    logits = logits.to(torch.float64)
+    if temperature == 0.0:
+        return SamplingScores(_never_mask(logits, mask_id), torch.softmax(logits, dim=-1))
+    tempered = filter_logits(logits / temperature, top_k, top_p)
+    reference = tempered if confidence == "tempered" else logits
+    return SamplingScores(_never_mask(tempered, mask_id), torch.softmax(reference, dim=-1))
+
+
+def pick_tokens(
+    prepared: SamplingScores, gumbel: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [...] and confidences [...] under the noise `gumbel` [..., V] (None at T=0)."""
+    scores = prepared.scores
+    if gumbel is not None:
+        scores = scores + gumbel.to(scores.device)
+    tokens = scores.argmax(dim=-1)
+    return tokens, prepared.probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     gumbel: torch.Tensor | None,
@@ -52,18 +91,10 @@ def sample_tokens(
     probability ("untempered", LLaDA). The mask token, when given, is never chosen (so every
     commit makes progress); probabilities stay over the whole vocabulary.
     """
-    logits = logits.to(torch.float64)
-    if temperature == 0.0:
-        tokens = _never_mask(logits, mask_id).argmax(dim=-1)
-        probs = torch.softmax(logits, dim=-1)
-        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    if gumbel is None:
+    if temperature > 0.0 and gumbel is None:
         raise ValueError("temperature > 0 needs Gumbel noise")
-    tempered = filter_logits(logits / temperature, top_k, top_p)
-    tokens = _never_mask(tempered + gumbel.to(tempered.device), mask_id).argmax(dim=-1)
-    reference = tempered if confidence == "tempered" else logits
-    probs = torch.softmax(reference, dim=-1)
-    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    prepared = sampling_scores(logits, temperature, top_k, top_p, confidence, mask_id)
+    return pick_tokens(prepared, gumbel if temperature > 0.0 else None)
 
 
 def _never_mask(scores: torch.Tensor, mask_id: int | None) -> torch.Tensor:
