@@ -337,12 +337,10 @@ def _successors(
     gumbel = None
     if config.temperature > 0.0:
         like = scores.logits[0]  # [B, V]
-        gumbel = torch.stack(
-            [
-                _gumbel(step_noise, config.seed, requests[a.index].key, node.step, like)
-                for a, node in owners
-            ]
-        )
+        gumbel = [
+            _gumbel(step_noise, config.seed, requests[a.index].key, node.step, like)
+            for a, node in owners
+        ]
     opening = torch.tensor([a.layout.opening_commit and node.block_step == 0 for a, node in owners])
     next_blocks = commit_rule(
         blocks, scores.logits, gumbel, k, config, target.mask_id, confidence, opening

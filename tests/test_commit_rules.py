@@ -193,6 +193,11 @@ def test_commit_rule_reads_masked_positions_only(temperature, rule, top_k, top_p
         assert torch.equal(
             commit_rule(block, unread, gumbel, k, config, mask_id, "tempered"), expected
         )
+        if gumbel is not None:  # the decode loop passes one [B, V] per row, not a stack
+            rows = list(gumbel.unbind(0))
+            assert torch.equal(
+                commit_rule(block, unread, rows, k, config, mask_id, "tempered"), expected
+            )
         for i in range(n):
             row = commit_rule(
                 block[i : i + 1],
