@@ -65,8 +65,8 @@ class DraftInput:
     layout: Layout
     root: State
     stale_state: State
-    stale_logits: torch.Tensor  # [B, V]
-    stale_hidden: torch.Tensor | None  # [B, H] when the drafter has `needs_hidden = True`
+    stale_logits: torch.Tensor  # [B, V] on the target's device
+    stale_hidden: torch.Tensor | None  # [B, H] there, when the drafter has `needs_hidden = True`
     key: int
     config: DecodingConfig
     confidence: ConfidenceName
@@ -87,10 +87,12 @@ class DraftInput:
 
     def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B] and confidences [B] the commit rule would take from the stale logits
-        at `step` (the target's own draw if its distribution has not moved); cached."""
+        at `step` (the target's own draw if its distribution has not moved); cached. Drawn
+        where the logits are, returned on the CPU, where drafters build their trees."""
         step = self.noise_step(step)
         if step not in self._drawn:
-            self._drawn[step] = pick_tokens(self._stale_sampling, self.gumbel(step))
+            tokens, conf = pick_tokens(self._stale_sampling, self.gumbel(step))
+            self._drawn[step] = (tokens.cpu(), conf.cpu())
         return self._drawn[step]
 
     @cached_property

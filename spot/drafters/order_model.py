@@ -89,7 +89,7 @@ def noisy_confidence(
     logp = top_logprobs.double()
     if gumbel is None or temperature == 0.0:
         return logp[..., 0].exp()
-    noise = gumbel.gather(-1, top_ids.long())
+    noise = gumbel.gather(-1, top_ids.long().to(gumbel.device)).to(top_ids.device)
     _, conf = sample_tokens(logp, noise, temperature, confidence=confidence)
     return conf
 

@@ -206,8 +206,9 @@ class SpiffyDrafter:
                             inp.stale_logits, dim=-1, descending=True, stable=True
                         ).indices
                     pos = int(positions[0])
+                    ranked = ranked_tokens[pos, : j + 1].cpu()
                     tokens = tokens.clone()
-                    tokens[pos] = ranked_tokens[pos][ranked_tokens[pos] != tokens[pos]][j - 1]
+                    tokens[pos] = ranked[ranked != tokens[pos]][j - 1]
             else:
                 size = _threshold_count(conf, block == layout.mask_id, config.threshold) + i
                 if not 1 <= size <= ranks.numel():
@@ -219,7 +220,8 @@ class SpiffyDrafter:
             nodes.append(advance(layout, node, child_block))
             parent.append(up)
             if stale_probs is not None:
-                chosen = stale_probs[positions, tokens[positions]].clamp_min(1e-30).log().sum()
+                at = (positions.to(stale_probs.device), tokens[positions].to(stale_probs.device))
+                chosen = stale_probs[at].clamp_min(1e-30).log().sum()
                 log_prob.append(log_prob[up] + float(chosen))
                 drafted.append(drafted[up] + positions.numel())
         if stale_probs is not None and len(nodes) - 1 > self.keep:

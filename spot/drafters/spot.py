@@ -154,7 +154,8 @@ class BestFirstDrafter:
                 f"{type(self).__name__} drafts for the {'/'.join(self.rules)} rule, "
                 f"not {inp.config.rule!r}"
             )
-        top_logprobs, top_ids = stale_top(inp.stale_logits, self.top_k)
+        # reduced where the logits are; the tree is built on the CPU
+        top_logprobs, top_ids = (t.cpu() for t in stale_top(inp.stale_logits, self.top_k))
         stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
         root_masked = (inp.root.block(b) == inp.layout.mask_id).tolist()
         return _Growing(

@@ -143,9 +143,9 @@ class SpotSetsDrafter(BestFirstDrafter):
             f, m = self._node_features(g, n, self.model.config)
             feats.append(f)
             masks.append(m)
-            hidden.append(g.inp.stale_hidden[None].float())
+            hidden.append(g.inp.stale_hidden.cpu()[None].float())  # the model is on the CPU
             tokens, _ = g.inp.draw(g.nodes[n].step)
-            token_emb.append(self.embed(tokens)[None].float())
+            token_emb.append(self.embed(tokens).cpu()[None].float())
         threshold = frontier[0][0].inp.config.threshold
         return self.model(
             torch.cat(feats), torch.cat(hidden), torch.cat(token_emb), torch.cat(masks), threshold

@@ -1,0 +1,78 @@
+"""Drafters given a target's stale logits, hidden states and noise on another device than the
+CPU grow the trees the CPU gives. A GPU target hands them CUDA tensors; here torch's lazy
+TorchScript backend stands in for it: it runs on the CPU but, like CUDA, refuses to mix its
+tensors with the CPU's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+from spot.builtin import builtin_drafter
+from spot.config import DecodingConfig
+from spot.decode import generate
+from spot.drafters.spiffy import DraftGraph, SpiffyDrafter
+from spot.models.drafter_files import load_drafter
+
+
+@pytest.fixture(scope="module")
+def device():
+    from torch._lazy import ts_backend
+
+    ts_backend.init()
+    return torch.device("lazy")
+
+
+@pytest.fixture(scope="module")
+def sdar_tiny():
+    tokenizer, target = load_model_and_tokenizer("builtin:sdar-tiny")
+    return target, encode(tokenizer, corpus_prompts("heldout", 2))
+
+
+class _Recording:
+    """Passes proposals to a drafter and keeps a fresh copy of every input."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.needs_hidden = getattr(drafter, "needs_hidden", False)
+        self.inputs = []
+
+    def propose(self, inputs):
+        self.inputs.extend(_fresh(i) for i in inputs)
+        return self.drafter.propose(inputs)
+
+
+def _fresh(inp, **moved):
+    return dataclasses.replace(inp, noise={}, _drawn={}, **moved)
+
+
+@pytest.mark.parametrize(
+    ("kind", "rule"), [("spot", "static"), ("spiffy", "static"), ("spot-sets", "threshold")]
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_trees_do_not_depend_on_where_the_stale_tensors_live(
+    device, sdar_tiny, kind, rule, temperature
+):
+    target, requests = sdar_tiny
+    config = DecodingConfig(gen_length=32, block_length=32, rule=rule, temperature=temperature)
+    path = builtin_drafter("sdar-tiny", kind, 32, rule)
+    drafter = load_drafter(kind, path, 8, target)
+    if kind == "spiffy":  # with dynamic pruning, which reads the stale probabilities too
+        drafter = SpiffyDrafter(DraftGraph.load(path), budget=12, keep=6)
+    recording = _Recording(drafter)
+    for request in requests:
+        generate(target, [request], config, drafter=recording)
+    grown = 0
+    for inp in recording.inputs[:8]:
+        on_cpu = drafter.propose([_fresh(inp)])[0]
+        hidden = None if inp.stale_hidden is None else inp.stale_hidden.to(device)
+        elsewhere = drafter.propose(
+            [_fresh(inp, stale_logits=inp.stale_logits.to(device), stale_hidden=hidden)]
+        )[0]
+        assert elsewhere.parent == on_cpu.parent
+        assert all(a.same_as(b) for a, b in zip(elsewhere.nodes, on_cpu.nodes, strict=True))
+        grown += len(on_cpu.nodes) > 1
+    assert grown >= 3
