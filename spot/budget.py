@@ -93,19 +93,25 @@ def measure_forward_cost(
     block = torch.full((block_length,), target.mask_id, dtype=torch.long)
     pending = prompt[target.committed_length(context) :]  # not yet final in the context
     first = Window(0, torch.cat([pending, block]), pending.numel())
-    target.score([context], [first], block_length)
+    _finished(target.score([context], [first], block_length))
     window = block
     seconds = []
     for n in states:
         windows = [Window(0, window.clone()) for _ in range(n)]
-        target.score([context], windows, block_length)  # warm-up
+        _finished(target.score([context], windows, block_length))  # warm-up
         calls = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            target.score([context], windows, block_length)
+            _finished(target.score([context], windows, block_length))
             calls.append(time.perf_counter() - t0)
         seconds.append(statistics.median(calls))
     return ForwardCost(tuple(states), tuple(seconds))
+
+
+def _finished(scores) -> None:
+    """Wait for the forward: on a GPU `score` returns once its kernels are queued, and a
+    cost curve of launch times would make every width look free."""
+    scores.logits.reshape(-1)[-1].item()
 
 
 def choose_budget(
