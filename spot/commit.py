@@ -165,10 +165,9 @@ def commit_rule(
     logits for that state (read at masked positions only); gumbel: the noise [B, V] of each
     row's step, N tensors or one [N, B, V] (None at T=0): rows at the same step pass the
     same tensor, and only their masked positions are gathered (a tree of 17 states over a
-    151936-token vocabulary would stack 660 MB); k: [N] static count of each row's step;
-    opening: [N] bool, rows
-    whose transition commits the first masked position whatever the rule (Dream's block
-    opening).
+    151936-token vocabulary would stack 631 MiB); k: [N] static count of each row's step;
+    opening: [N] bool, rows whose transition commits the first masked position whatever the
+    rule (Dream's block opening).
     Returns the next block state [N, B].
     """
     masked = block == mask_id
