@@ -1,5 +1,6 @@
 """Draft-free vs Spiffy vs SPOT (and SPOT-Sets for threshold decoding) on the same prompts,
-in one process, one table per target. Ratios are what to read: this machine is noisy.
+in one process, one table per target. Ratios are what to read: this machine is noisy, so the
+decoders take turns batch by batch (`run`).
 
     .venv/bin/python bench/speculative.py --targets sdar-tiny --prompts 40 --block-length 32
 
@@ -112,34 +113,54 @@ def walk_stop(
     return "order"
 
 
-def run(
-    name, budget, target, requests, config, batch_size, commits=None, ends=(), drafter=None
-) -> Row:
-    """commits: (request key, step) -> [B] positions the target commits from that step, from
-    a draft-free run of `config`, and ends: the (request key, step) whose transition completed
-    the request; with them, why each walk stopped is counted."""
-    nfe, outputs = [], []
-    steps = tokens = 0
-    drafter_seconds = 0.0
-    stops: Counter = Counter()
-    t0 = time.perf_counter()
-    for s in range(0, len(requests), batch_size):
+@dataclass
+class Variant:
+    """One row's decoder: a drafter (None: draft-free) under a decoding config."""
+
+    name: str
+    budget: str
+    config: DecodingConfig
+    drafter: object | None = None
+    classify: bool = True  # count why walks stopped (needs the draft-free run's commits)
+
+
+def run(variants, target, requests, batch_size, commits=None, ends=()) -> list[Row]:
+    """Every variant on every batch, interleaved: batch by batch, each variant in turn (the
+    order rotated per batch), so that a slow spell of the machine falls on all rows alike
+    instead of on whichever rows ran then (run one after another, two identical draft-free
+    rows differed by up to 10% in tokens/s; interleaved, by 2%).
+
+    commits: (request key, step) -> [B] positions the target commits from that step, from a
+    draft-free run, and ends: the (request key, step) whose transition completed the request;
+    with them, why each walk stopped is counted for variants that `classify`."""
+    rows = [Row(v.name, v.budget, [], 0, 0, 0.0, 0.0, [], Counter()) for v in variants]
+    for number, s in enumerate(range(0, len(requests), batch_size)):
         batch = requests[s : s + batch_size]
+        turn = number % len(variants)
+        for k in [*range(turn, len(variants)), *range(turn)]:
+            variant, row = variants[k], rows[k]
 
-        def on_walk(index, tree, path, batch=batch):
-            at = (batch[index].key, tree.nodes[path[-1]].step)
-            stops[walk_stop(tree, path, commits[at], at in ends, target.mask_id)] += 1
+            def on_walk(index, tree, path, batch=batch, stops=row.stops):
+                at = (batch[index].key, tree.nodes[path[-1]].step)
+                stops[walk_stop(tree, path, commits[at], at in ends, target.mask_id)] += 1
 
-        observe = None if commits is None else on_walk
-        for r in generate(target, batch, config, drafter=drafter, on_walk=observe):
-            nfe.append(r.stats.nfe)
-            steps += r.stats.steps
-            drafter_seconds += r.stats.drafter_seconds
-            ids = r.tokens.tolist()
-            tokens += next((i for i, t in enumerate(ids) if t in target.eos_ids), len(ids))
-            outputs.append(ids)
-    seconds = time.perf_counter() - t0
-    return Row(name, str(budget), nfe, steps, tokens, seconds, drafter_seconds, outputs, stops)
+            observe = on_walk if commits is not None and variant.classify else None
+            t0 = time.perf_counter()
+            results = generate(
+                target, batch, variant.config, drafter=variant.drafter, on_walk=observe
+            )
+            row.seconds += time.perf_counter() - t0
+            for r in results:
+                row.nfe.append(r.stats.nfe)
+                row.steps += r.stats.steps
+                row.drafter_seconds += r.stats.drafter_seconds
+                ids = r.tokens.tolist()
+                row.tokens += next((i for i, t in enumerate(ids) if t in target.eos_ids), len(ids))
+                row.outputs.append(ids)
+    for variant, row in zip(variants, rows):
+        if isinstance(variant.drafter, AutoBudget):
+            row.budget = f"auto→{variant.drafter.chosen}"
+    return rows
 
 
 def pct(values, q):
@@ -255,18 +276,14 @@ def bench_target(name: str, args) -> None:
         if successor.done:
             ends.add((keys[index], state.step))
 
-    def measure(label, budget, drafter=None):
-        """A row of this table's decoding, its walks classified against the draft-free run."""
-        return run(label, budget, target, requests, config, args.batch_size, commits, ends, drafter)
-
-    rows = []
+    variants = []
     if args.rule == "threshold":
-        rows.append(run("standard (1 token/step)", 0, target, requests, static, args.batch_size))
+        variants.append(Variant("standard (1 token/step)", "0", static, classify=False))
     base_name = "draft-free" if args.rule == "static" else f"threshold {args.threshold}"
     for s in range(0, len(requests), args.batch_size):
         keys[:] = [r.key for r in requests[s : s + args.batch_size]]
         generate(target, requests[s : s + args.batch_size], config, trace=record)
-    rows.append(measure(base_name, 0))
+    variants.append(Variant(base_name, "0", config))
     cost = measure_forward_cost(
         target,
         args.block_length,
@@ -287,24 +304,26 @@ def bench_target(name: str, args) -> None:
                     continue
                 label = f"SPOT-Sets (adapted from {source})"
             drafter = load_drafter(kind, path, args.budget, target)
-            rows.append(measure(label, args.budget, drafter))
+            variants.append(Variant(label, str(args.budget), config, drafter))
             if source == name:
                 curve = acceptance_curve(kind, path)
                 auto = AutoBudget(load_drafter(kind, path, args.budget, target), curve, cost)
-                row = measure(label + " auto", "auto", auto)
-                row.budget = f"auto→{auto.chosen}"
-                rows.append(row)
+                variants.append(Variant(label + " auto", "auto", config, auto))
                 for budget in args.larger_budgets:
-                    rows.append(measure(label, budget, load_drafter(kind, path, budget, target)))
+                    larger = load_drafter(kind, path, budget, target)
+                    variants.append(Variant(label, str(budget), config, larger))
     if args.rule == "static":
         for sharpness in args.rule_sharpness:
             untrained = OrderModel(OrderModelConfig())
             untrained.prior_scale.data.fill_(sharpness)
             label = f"SPOT untrained (the rule's guess, x{sharpness:g})"
-            rows.append(measure(label, args.budget, SpotDrafter(untrained, args.budget)))
+            variants.append(
+                Variant(label, str(args.budget), config, SpotDrafter(untrained, args.budget))
+            )
         for budget in sorted({args.budget, *args.oracle_budgets, *args.larger_budgets}):
             oracle = OrderOracle(commits, budget)
-            rows.append(measure("order oracle", budget, oracle))
+            variants.append(Variant("order oracle", str(budget), config, oracle))
+    rows = run(variants, target, requests, args.batch_size, commits, ends)
     print(table(name, rows, config, args.batch_size, exact_to=base_name))
     print()
     print(
