@@ -2,8 +2,9 @@
 
 Throughput is steps per second = E[steps per forward | budget D] / cost(forward of the batch's
 trees). The first factor is the drafter's measured acceptance curve (stored with the drafter);
-the second is measured on this machine for this target at start-up. Budget 0 (draft-free) is a
-legal outcome.
+the second is measured on this machine for this target at start-up, then replaced by the
+measured cost of the iterations decoded at each budget (`AutoBudget`). Budget 0 (draft-free)
+is a legal outcome.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,20 +149,42 @@ class DraftingCost:
 
 class AutoBudget:
     """Wraps a drafter whose `budget` attribute sets its tree size (SPOT) and picks that
-    budget per batch size from the acceptance curve and the measured forward cost.
+    budget per batch size from the acceptance curve and the cost of an iteration.
 
-    The drafter's own time counts too: after `probe_calls` proposals at the first choice, their
-    median seconds join the cost (`DraftingCost`) and the choice is made once more (so a
-    drafter slower than the forwards it saves ends at budget 0)."""
+    The first choice comes from the start-up cost curve. From then on the decode loop reports
+    how long each verification took (`observe_forward`), and with the drafter's own seconds
+    that is what an iteration at that budget costs on this machine, under this workload.
+    After `probe_calls` iterations at a budget its measured cost replaces the prediction, the
+    predictions of budgets not yet tried are rescaled by how far the tried ones were off, and
+    the choice is made again; the neighbouring budgets of the best one are tried before it is
+    kept (a hill climb on measured throughput), so one disturbed start-up timing, or a machine
+    faster or slower than at start-up, costs a few iterations instead of the whole run."""
 
-    def __init__(self, drafter, curve: AcceptanceCurve, cost: ForwardCost, probe_calls: int = 4):
+    def __init__(
+        self,
+        drafter,
+        curve: AcceptanceCurve,
+        cost: ForwardCost,
+        probe_calls: int = 4,
+        window: int = 32,
+        clock=time.perf_counter,
+    ):
+        """window: the most recent iterations per (batch size, budget) that its cost is the
+        median of. clock: seconds, for the drafter's own time (tests pass a fake one)."""
+        if window < probe_calls:
+            raise ValueError("window must hold at least probe_calls iterations")
         self.drafter = drafter
         self.needs_hidden = getattr(drafter, "needs_hidden", False)  # SPOT-Sets reads them
         self.curve = curve
         self.cost = cost
         self.probe_calls = probe_calls
+        self.window = window
+        self.clock = clock
         self.chosen: dict[int, int] = {}
-        self.probes: dict[int, list[float]] = {}  # batch size -> seconds per proposal
+        # (batch size, budget) -> recent iterations as (drafting, verification) seconds
+        self.iterations: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        self.observed: Counter = Counter()  # (batch size, budget) -> iterations ever timed
+        self._pending: tuple[int, int, float] | None = None  # proposal awaiting its forward
 
     def propose(self, inputs):
         n = len(inputs)
@@ -169,12 +193,50 @@ class AutoBudget:
         budget = self.chosen[n]
         if self.drafter.budget != budget:  # Spiffy rebuilds its graph on every assignment
             self.drafter.budget = budget
-        start = time.perf_counter()
+        start = self.clock()
         trees = self.drafter.propose(inputs)
-        probes = self.probes.setdefault(n, [])
-        if budget and len(probes) < self.probe_calls:
-            probes.append(time.perf_counter() - start)
-            if len(probes) == self.probe_calls:
-                drafting = DraftingCost(budget, n, statistics.median(probes))
-                self.chosen[n] = choose_budget(self.curve, self.cost, n, drafting)
+        self._pending = (n, budget, self.clock() - start)
         return trees
+
+    def observe_forward(self, seconds: float) -> None:
+        """The decode loop's seconds to verify the trees of the last proposal (the target's
+        forward and the commit rule)."""
+        if self._pending is None:
+            return  # a forward with nothing drafted (every request at a block's start)
+        n, budget, drafting = self._pending
+        self._pending = None
+        samples = self.iterations.setdefault((n, budget), [])
+        samples.append((drafting, seconds))
+        del samples[: -self.window]
+        self.observed[n, budget] += 1
+        if self.observed[n, budget] % self.probe_calls == 0:
+            self.chosen[n] = self._next_budget(n)
+
+    def _next_budget(self, n: int) -> int:
+        """The budget with the most steps per second, measured where tried and predicted
+        elsewhere; an untried neighbour of that budget is tried first."""
+        measured = {
+            d: (
+                statistics.median(s for s, _ in self.iterations[n, d]),
+                statistics.median(v for _, v in self.iterations[n, d]),
+            )
+            for d in self.curve.budgets
+            if len(self.iterations.get((n, d), ())) >= self.probe_calls
+        }
+        # how far the start-up curve is off now, from the budgets tried
+        scale = statistics.median(v / self.cost(n * (d + 1)) for d, (_, v) in measured.items())
+        drafting = next(
+            (DraftingCost(d, n, s) for d, (s, _) in sorted(measured.items()) if d), None
+        )
+
+        def seconds(d: int) -> float:
+            if d in measured:
+                return sum(measured[d])
+            own = drafting(d, n) if drafting and d else 0.0
+            return scale * self.cost(n * (d + 1)) + own
+
+        steps = dict(zip(self.curve.budgets, self.curve.steps_per_forward))
+        best = max(steps, key=lambda d: (steps[d] / seconds(d), -d))
+        i = self.curve.budgets.index(best)
+        neighbours = self.curve.budgets[max(0, i - 1) : i + 2]
+        return next((d for d in neighbours if d not in measured), best)

@@ -136,6 +136,12 @@ class WalkObserver(Protocol):
 
 
 class Drafter(Protocol):
+    """Also read when present: `needs_hidden` (the stale logits come with the last hidden
+    states) and `observe_forward(seconds)`, called after every forward with the seconds it
+    took to verify the trees (the target's forward and the commit rule; the commit rule reads
+    its result on the CPU, so a GPU forward is waited for) — what `drafter.budget: auto`
+    learns an iteration's cost from."""
+
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         """One tree per input, rooted at input.root (node 0)."""
         ...
@@ -166,6 +172,7 @@ def generate(
     start = time.perf_counter()
     confidence = config.confidence or target.confidence
     hidden = getattr(drafter, "needs_hidden", False) or getattr(trace, "needs_hidden", False)
+    observe_forward = getattr(drafter, "observe_forward", None)
     results: list[Result | None] = [None] * len(requests)
     active = [_open(target, i, r, config) for i, r in enumerate(requests)]
     step_noise: dict = {}  # (request key, step) -> Gumbel noise, drafter and commit rule
@@ -174,10 +181,13 @@ def generate(
         if not active:
             break
         trees = _propose(drafter, active, requests, config, confidence, step_noise)
+        verify_start = time.perf_counter()
         scores = _score(target, active, trees, config.block_length, hidden)
         successors = _successors(
             active, trees, scores, requests, config, target, confidence, step_noise
         )
+        if observe_forward is not None:
+            observe_forward(time.perf_counter() - verify_start)
         offset = 0
         for a, tree in zip(active, trees):
             nodes = len(tree.nodes)

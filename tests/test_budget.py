@@ -1,7 +1,5 @@
 """The cost model behind `drafter.budget: auto`."""
 
-import time
-
 import pytest
 import torch
 
@@ -14,7 +12,10 @@ from spot.budget import (
     choose_budget,
     measure_forward_cost,
 )
+from spot.config import DecodingConfig
+from spot.decode import Request, generate
 from spot.tree import DraftTree, State
+from tests.random_drafter import RandomDrafter
 from tests.toy import ToyTarget
 
 
@@ -61,23 +62,99 @@ def test_measured_cost_on_a_target_and_auto_budget():
     assert auto.propose([None, None]) == [0]
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedDrafter:
+    """Proposes `budget` as its tree and spends `seconds_per_node` of the fake clock per node
+    and request."""
+
+    budget = 99
+
+    def __init__(self, clock: FakeClock, seconds_per_node: float = 0.0):
+        self.clock = clock
+        self.seconds_per_node = seconds_per_node
+
+    def propose(self, inputs):
+        self.clock.now += self.seconds_per_node * self.budget * len(inputs)
+        return [self.budget] * len(inputs)
+
+
+def iterate(auto: AutoBudget, verification, n: int = 1, times: int = 1) -> list[int]:
+    """Budgets chosen over `times` iterations of n requests whose verification of n * (D + 1)
+    states takes verification(states) seconds."""
+    chosen = []
+    for _ in range(times):
+        [budget, *_] = auto.propose([None] * n)
+        chosen.append(budget)
+        auto.observe_forward(verification(n * (budget + 1)))
+    return chosen
+
+
+CURVE = AcceptanceCurve((0, 1, 3, 7), (1.0, 1.8, 2.6, 3.2))
+
+
 def test_auto_budget_counts_the_drafters_own_time():
-    class SlowDrafter:
-        budget = 99
+    clock = FakeClock()
+    free = ForwardCost((1, 64), (0.01, 0.01))
+    auto = AutoBudget(TimedDrafter(clock), CURVE, free, probe_calls=2, clock=clock)
+    assert iterate(auto, free, times=8) == [7, 7, 3, 3, 7, 7, 7, 7]  # its neighbour 3 tried
+    auto = AutoBudget(TimedDrafter(clock, 0.01), CURVE, free, probe_calls=2, clock=clock)
+    # 7 nodes cost 0.07 s: 3.2 / 0.08 < 1 / 0.01, and drafting is priced per call, never
+    # cheaper for a smaller budget, so 0 follows; its neighbour 1 is tried (1.8 / 0.02 < 100)
+    assert iterate(auto, free, times=12) == [7, 7, 0, 0, 1, 1] + [0] * 6
 
-        def __init__(self, seconds_per_node: float):
-            self.seconds_per_node = seconds_per_node
 
-        def propose(self, inputs):
-            time.sleep(self.seconds_per_node * self.budget * len(inputs))
-            return [self.budget]
+def test_auto_budget_climbs_to_the_measured_best_past_a_disturbed_start_up_timing():
+    """The start-up curve timed 4 states during a burst of other work (4.0 s instead of 1.75):
+    budget 3 looks worst. Measured iterations find it; every budget is tried for probe_calls
+    iterations at most, and once the best one's neighbours are measured it is kept."""
+    true = ForwardCost((1, 8), (1.0, 2.75))  # 1 + 0.25 per extra state
+    disturbed = ForwardCost((1, 2, 4, 8), (1.0, 1.25, 4.0, 2.75))
+    clock = FakeClock()
+    auto = AutoBudget(TimedDrafter(clock), CURVE, disturbed, probe_calls=4, clock=clock)
+    # rates: 0 -> 1.0, 1 -> 1.8 / 1.25 = 1.44, 3 -> 2.6 / 1.75 = 1.49, 7 -> 3.2 / 2.75 = 1.16
+    assert iterate(auto, true, times=16) == [1] * 4 + [0] * 4 + [3] * 4 + [7] * 4
+    assert iterate(auto, true, times=20) == [3] * 20
+    assert choose_budget(CURVE, disturbed, 1) == 1  # what the start-up curve alone keeps
 
-    curve = AcceptanceCurve((0, 1, 3, 7), (1.0, 1.8, 2.6, 3.2))
-    free_forwards = ForwardCost((1, 64), (0.01, 0.01))
-    auto = AutoBudget(SlowDrafter(0.0), curve, free_forwards, probe_calls=2)
-    assert [auto.propose([None])[0] for _ in range(3)] == [7, 7, 7]
-    auto = AutoBudget(SlowDrafter(0.01), curve, free_forwards, probe_calls=2)
-    assert [auto.propose([None])[0] for _ in range(3)] == [7, 7, 0]
+
+@pytest.mark.parametrize("slowdown", [0.5, 1.0, 2.0, 4.0])
+@pytest.mark.parametrize("seconds_per_node", [0.0, 0.02, 0.1])
+def test_auto_budget_ends_at_the_best_budget_of_a_machine_faster_or_slower_than_at_start_up(
+    slowdown, seconds_per_node
+):
+    """Forwards cost `slowdown` times the start-up curve, the drafter's time does not change:
+    the budget kept is the one with the most steps per second under the true costs."""
+    startup = ForwardCost((1, 2, 4, 8), (1.0, 1.3, 2.0, 3.5))
+    clock = FakeClock()
+    drafter = TimedDrafter(clock, seconds_per_node)
+    auto = AutoBudget(drafter, CURVE, startup, probe_calls=2, clock=clock)
+
+    def true_seconds(d: int) -> float:
+        return slowdown * startup(d + 1) + seconds_per_node * d
+
+    rate = {d: s / true_seconds(d) for d, s in zip(CURVE.budgets, CURVE.steps_per_forward)}
+    chosen = iterate(auto, lambda states: slowdown * startup(states), times=40)
+    assert chosen[-20:] == [max(rate, key=rate.get)] * 20
+
+
+def test_the_decode_loop_reports_each_verification_to_the_drafter():
+    target = ToyTarget(seed=2)
+    seen = []
+
+    class Observing(RandomDrafter):
+        def observe_forward(self, seconds):
+            seen.append(seconds)
+
+    config = DecodingConfig(gen_length=16, block_length=4)
+    [result] = generate(target, [Request(torch.tensor([1, 2, 3]), 5)], config, Observing())
+    assert len(seen) == result.stats.nfe and all(s > 0 for s in seen)
 
 
 def test_drafting_is_priced_per_call_never_cheaper_for_a_smaller_budget():
