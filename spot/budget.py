@@ -2,9 +2,9 @@
 
 Throughput is steps per second = E[steps per forward | budget D] / cost(forward of the batch's
 trees). The first factor is the drafter's measured acceptance curve (stored with the drafter);
-the second is measured on this machine for this target at start-up, then replaced by the
-measured cost of the iterations decoded at each budget (`AutoBudget`). Budget 0 (draft-free)
-is a legal outcome.
+the second is measured on this machine for this target at start-up, and the choice it gives
+is then checked against neighbouring budgets on the iterations decoded (`AutoBudget`). Budget
+0 (draft-free) is a legal outcome.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -147,18 +147,41 @@ class DraftingCost:
         return self.seconds * scale
 
 
+@dataclass
+class _Climb:
+    """One batch size's budget search. The budget in use meets its neighbours one at a time;
+    the two take turns iteration by iteration until each has `probe_calls` timed iterations,
+    so both are timed over the same stretch of decoding (an iteration's cost moves with its
+    requests' phase: the forward after a block completes is twice as wide)."""
+
+    in_use: int
+    challengers: list[int]  # neighbours still to meet, nearest first
+    seconds: dict[int, list[float]] = field(default_factory=dict)  # this meeting's iterations
+    drafting: list[float] = field(default_factory=list)  # the first budget's proposals
+    probing: bool = True  # timing the first budget alone, for the drafter's own cost
+    settled: int = 0  # iterations since the last meeting ended
+
+    def next_budget(self) -> int:
+        if self.probing or not self.challengers:
+            return self.in_use
+        rival = self.challengers[0]
+        mine, theirs = (len(self.seconds.get(d, ())) for d in (self.in_use, rival))
+        return rival if theirs < mine else self.in_use
+
+
 class AutoBudget:
     """Wraps a drafter whose `budget` attribute sets its tree size (SPOT) and picks that
-    budget per batch size from the acceptance curve and the cost of an iteration.
+    budget per batch size from the acceptance curve and what an iteration costs.
 
-    The first choice comes from the start-up cost curve. From then on the decode loop reports
-    how long each verification took (`observe_forward`), and with the drafter's own seconds
-    that is what an iteration at that budget costs on this machine, under this workload.
-    After `probe_calls` iterations at a budget its measured cost replaces the prediction, the
-    predictions of budgets not yet tried are rescaled by how far the tried ones were off, and
-    the choice is made again; the neighbouring budgets of the best one are tried before it is
-    kept (a hill climb on measured throughput), so one disturbed start-up timing, or a machine
-    faster or slower than at start-up, costs a few iterations instead of the whole run."""
+    The start-up cost curve gives the first budget. Its first `probe_calls` proposals are
+    timed and the choice is made again with the drafter's own seconds (`DraftingCost`): a
+    drafter slower than the forwards it saves falls to budget 0. From there on the decode loop
+    reports each verification's seconds (`observe_forward`) and the budget in use meets its
+    neighbours on the acceptance curve, one at a time, in turns (`_Climb`): the one with more
+    expected steps per measured second of proposal and verification is kept, and the search
+    goes on from a winner until both its neighbours lose (a hill climb). Every `recheck`
+    iterations the neighbours are met again, to follow a machine that speeds up or slows down.
+    A start-up timing disturbed by other work then costs a few iterations, not the run."""
 
     def __init__(
         self,
@@ -166,31 +189,43 @@ class AutoBudget:
         curve: AcceptanceCurve,
         cost: ForwardCost,
         probe_calls: int = 4,
-        window: int = 32,
+        recheck: int = 256,
         clock=time.perf_counter,
     ):
-        """window: the most recent iterations per (batch size, budget) that its cost is the
-        median of. clock: seconds, for the drafter's own time (tests pass a fake one)."""
-        if window < probe_calls:
-            raise ValueError("window must hold at least probe_calls iterations")
+        """clock: seconds, for the drafter's own time (tests pass a fake one)."""
         self.drafter = drafter
         self.needs_hidden = getattr(drafter, "needs_hidden", False)  # SPOT-Sets reads them
         self.curve = curve
         self.cost = cost
         self.probe_calls = probe_calls
-        self.window = window
+        self.recheck = recheck
         self.clock = clock
-        self.chosen: dict[int, int] = {}
-        # (batch size, budget) -> recent iterations as (drafting, verification) seconds
-        self.iterations: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        self.observed: Counter = Counter()  # (batch size, budget) -> iterations ever timed
+        self.steps = dict(zip(curve.budgets, curve.steps_per_forward))
+        self.climbs: dict[int, _Climb] = {}  # per batch-size class (`_class`)
+        self.sizes: list[int] = []  # batch sizes seen, in order
+        self.timed: Counter = Counter()  # (batch size, budget) -> iterations timed
         self._pending: tuple[int, int, float] | None = None  # proposal awaiting its forward
+
+    @staticmethod
+    def _class(n: int) -> int:
+        """Batch sizes share a search per power of two (1, 2-3, 4-7, 8-15, ...): a batch
+        shrinks as its requests finish, and the sizes of its last few iterations would each
+        pay for a search of their own."""
+        return n.bit_length()
+
+    @property
+    def chosen(self) -> dict[int, int]:
+        """The budget in use per batch size seen."""
+        return {n: self.climbs[self._class(n)].in_use for n in self.sizes}
 
     def propose(self, inputs):
         n = len(inputs)
-        if n not in self.chosen:
-            self.chosen[n] = choose_budget(self.curve, self.cost, n)
-        budget = self.chosen[n]
+        if n not in self.sizes:
+            self.sizes.append(n)
+        k = self._class(n)
+        if k not in self.climbs:
+            self.climbs[k] = _Climb(choose_budget(self.curve, self.cost, n), [])
+        budget = self.climbs[k].next_budget()
         if self.drafter.budget != budget:  # Spiffy rebuilds its graph on every assignment
             self.drafter.budget = budget
         start = self.clock()
@@ -205,38 +240,34 @@ class AutoBudget:
             return  # a forward with nothing drafted (every request at a block's start)
         n, budget, drafting = self._pending
         self._pending = None
-        samples = self.iterations.setdefault((n, budget), [])
-        samples.append((drafting, seconds))
-        del samples[: -self.window]
-        self.observed[n, budget] += 1
-        if self.observed[n, budget] % self.probe_calls == 0:
-            self.chosen[n] = self._next_budget(n)
+        self.timed[n, budget] += 1
+        climb = self.climbs[self._class(n)]
+        if climb.probing:
+            climb.drafting.append(drafting)
+            if len(climb.drafting) == self.probe_calls:
+                own = DraftingCost(budget, n, statistics.median(climb.drafting)) if budget else None
+                climb.in_use = choose_budget(self.curve, self.cost, n, own)
+                climb.probing = False
+                climb.challengers = self._neighbours(climb.in_use)
+            return
+        if not climb.challengers:
+            climb.settled += 1
+            if climb.settled >= self.recheck:
+                climb.settled = 0
+                climb.challengers = self._neighbours(climb.in_use)
+            return
+        climb.seconds.setdefault(budget, []).append(drafting + seconds)
+        held, rival = climb.in_use, climb.challengers[0]
+        if min(len(climb.seconds.get(d, ())) for d in (held, rival)) < self.probe_calls:
+            return
+        rate = {d: self.steps[d] / statistics.median(climb.seconds[d]) for d in (held, rival)}
+        climb.seconds.clear()
+        climb.challengers.pop(0)
+        if rate[rival] > rate[held]:  # go on the way it won: past it, not back
+            climb.in_use = rival
+            climb.challengers = [d for d in self._neighbours(rival) if d != held]
 
-    def _next_budget(self, n: int) -> int:
-        """The budget with the most steps per second, measured where tried and predicted
-        elsewhere; an untried neighbour of that budget is tried first."""
-        measured = {
-            d: (
-                statistics.median(s for s, _ in self.iterations[n, d]),
-                statistics.median(v for _, v in self.iterations[n, d]),
-            )
-            for d in self.curve.budgets
-            if len(self.iterations.get((n, d), ())) >= self.probe_calls
-        }
-        # how far the start-up curve is off now, from the budgets tried
-        scale = statistics.median(v / self.cost(n * (d + 1)) for d, (_, v) in measured.items())
-        drafting = next(
-            (DraftingCost(d, n, s) for d, (s, _) in sorted(measured.items()) if d), None
-        )
-
-        def seconds(d: int) -> float:
-            if d in measured:
-                return sum(measured[d])
-            own = drafting(d, n) if drafting and d else 0.0
-            return scale * self.cost(n * (d + 1)) + own
-
-        steps = dict(zip(self.curve.budgets, self.curve.steps_per_forward))
-        best = max(steps, key=lambda d: (steps[d] / seconds(d), -d))
-        i = self.curve.budgets.index(best)
-        neighbours = self.curve.budgets[max(0, i - 1) : i + 2]
-        return next((d for d in neighbours if d not in measured), best)
+    def _neighbours(self, budget: int) -> list[int]:
+        """The budgets next to `budget` on the acceptance curve, smaller first."""
+        i = self.curve.budgets.index(budget)
+        return [d for d in self.curve.budgets[max(0, i - 1) : i + 2] if d != budget]

@@ -103,25 +103,45 @@ def test_auto_budget_counts_the_drafters_own_time():
     clock = FakeClock()
     free = ForwardCost((1, 64), (0.01, 0.01))
     auto = AutoBudget(TimedDrafter(clock), CURVE, free, probe_calls=2, clock=clock)
-    assert iterate(auto, free, times=8) == [7, 7, 3, 3, 7, 7, 7, 7]  # its neighbour 3 tried
+    # probed alone, then met by its one neighbour in turns; it stays
+    assert iterate(auto, free, times=10) == [7, 7] + [7, 3] * 2 + [7] * 4
     auto = AutoBudget(TimedDrafter(clock, 0.01), CURVE, free, probe_calls=2, clock=clock)
     # 7 nodes cost 0.07 s: 3.2 / 0.08 < 1 / 0.01, and drafting is priced per call, never
-    # cheaper for a smaller budget, so 0 follows; its neighbour 1 is tried (1.8 / 0.02 < 100)
-    assert iterate(auto, free, times=12) == [7, 7, 0, 0, 1, 1] + [0] * 6
+    # cheaper for a smaller budget, so 0 follows; its neighbour 1 loses (1.8 / 0.02 < 100)
+    assert iterate(auto, free, times=10) == [7, 7] + [0, 1] * 2 + [0] * 4
+    assert auto.chosen == {1: 0}
 
 
-def test_auto_budget_climbs_to_the_measured_best_past_a_disturbed_start_up_timing():
+def test_auto_budget_climbs_past_a_disturbed_start_up_timing():
     """The start-up curve timed 4 states during a burst of other work (4.0 s instead of 1.75):
-    budget 3 looks worst. Measured iterations find it; every budget is tried for probe_calls
-    iterations at most, and once the best one's neighbours are measured it is kept."""
+    budget 3 looks worst. Meeting its neighbours on measured iterations, budget 1 loses to 3,
+    and 3 beats 7 (steps per second: 0 -> 1.0, 1 -> 1.44, 3 -> 1.49, 7 -> 1.16)."""
     true = ForwardCost((1, 8), (1.0, 2.75))  # 1 + 0.25 per extra state
     disturbed = ForwardCost((1, 2, 4, 8), (1.0, 1.25, 4.0, 2.75))
+    assert choose_budget(CURVE, disturbed, 1) == 1  # what the start-up curve alone keeps
     clock = FakeClock()
     auto = AutoBudget(TimedDrafter(clock), CURVE, disturbed, probe_calls=4, clock=clock)
-    # rates: 0 -> 1.0, 1 -> 1.8 / 1.25 = 1.44, 3 -> 2.6 / 1.75 = 1.49, 7 -> 3.2 / 2.75 = 1.16
-    assert iterate(auto, true, times=16) == [1] * 4 + [0] * 4 + [3] * 4 + [7] * 4
-    assert iterate(auto, true, times=20) == [3] * 20
-    assert choose_budget(CURVE, disturbed, 1) == 1  # what the start-up curve alone keeps
+    chosen = iterate(auto, true, times=40)
+    assert chosen == [1] * 4 + [1, 0] * 4 + [1, 3] * 4 + [3, 7] * 4 + [3] * 12
+    assert auto.chosen == {1: 3}
+
+
+def test_auto_budget_compares_budgets_over_the_same_stretch_of_decoding():
+    """Iterations 4-19 cost three times as much (forwards after blocks complete are wider):
+    timed one after the other, budget 0 (timed before) would beat budget 1 (timed during);
+    in turns, both are timed during, and 1 wins as it does outside."""
+    curve = AcceptanceCurve((0, 1), (1.0, 1.8))
+    startup = ForwardCost((1, 2), (1.0, 2.0))  # budget 0 first: 1 / 1 against 1.8 / 2
+    true = ForwardCost((1, 2), (1.0, 1.5))  # 1.8 / 1.5: budget 1 is better
+    clock = FakeClock()
+    auto = AutoBudget(TimedDrafter(clock), curve, startup, probe_calls=4, clock=clock)
+    iteration = iter(range(10**6))
+
+    def verification(states: int) -> float:
+        return true(states) * (3 if 4 <= next(iteration) < 20 else 1)
+
+    assert iterate(auto, verification, times=16) == [0] * 4 + [0, 1] * 4 + [1] * 4
+    assert auto.timed == {(1, 0): 8, (1, 1): 8}
 
 
 @pytest.mark.parametrize("slowdown", [0.5, 1.0, 2.0, 4.0])
@@ -142,6 +162,18 @@ def test_auto_budget_ends_at_the_best_budget_of_a_machine_faster_or_slower_than_
     rate = {d: s / true_seconds(d) for d, s in zip(CURVE.budgets, CURVE.steps_per_forward)}
     chosen = iterate(auto, lambda states: slowdown * startup(states), times=40)
     assert chosen[-20:] == [max(rate, key=rate.get)] * 20
+
+
+def test_auto_budget_meets_its_neighbours_again_after_recheck_iterations():
+    """Settled at budget 0 while forwards were dear (another job on the machine); once they
+    are cheap the neighbours are met again and the budget climbs."""
+    clock = FakeClock()
+    dear = ForwardCost((1, 64), (1.0, 64.0))
+    cheap = ForwardCost((1, 64), (1.0, 1.0))
+    auto = AutoBudget(TimedDrafter(clock), CURVE, dear, probe_calls=2, recheck=10, clock=clock)
+    assert iterate(auto, dear, times=16) == [0, 0] + [0, 1] * 2 + [0] * 10
+    chosen = iterate(auto, cheap, times=16)
+    assert chosen == [0, 1] * 2 + [1, 3] * 2 + [3, 7] * 2 + [7] * 4
 
 
 def test_the_decode_loop_reports_each_verification_to_the_drafter():
@@ -166,3 +198,13 @@ def test_drafting_is_priced_per_call_never_cheaper_for_a_smaller_budget():
     # per node (0.02 / 7) budget 1 would look best (1.8 / 0.0129); per call it is the worst
     assert choose_budget(curve, flat, 1, measured) == 7  # 3.2 / 0.03 beats 1 / 0.01
     assert choose_budget(curve, flat, 1, DraftingCost(7, 1, 0.03)) == 0  # 3.2 / 0.04 < 100
+
+
+def test_batch_sizes_of_one_power_of_two_share_a_search():
+    clock = FakeClock()
+    cost = ForwardCost((1, 64), (1.0, 64.0))  # every state costs as much as the first
+    auto = AutoBudget(TimedDrafter(clock), CURVE, cost, probe_calls=2, clock=clock)
+    assert iterate(auto, cost, n=7, times=2) == [0, 0]  # probed: its search goes on
+    assert iterate(auto, cost, n=5, times=4) == [0, 1, 0, 1]  # meets budget 1, in turns
+    assert iterate(auto, cost, n=8, times=2) == [0, 0]  # a search of its own, probing
+    assert auto.chosen == {7: 0, 5: 0, 8: 0} and len(auto.climbs) == 2

@@ -58,7 +58,7 @@ def test_auto_budget_of_a_shipped_drafter_is_lossless(bundled, kind, rule):
     cost = measure_forward_cost(target, 32, 64, [1, 2, 4, 8, 17])
     free = ForwardCost(cost.states, tuple(cost.seconds[0] for _ in cost.states))
     drafter = load_drafter(kind, path, max(curve.budgets), target)
-    auto = AutoBudget(drafter, curve, free, probe_calls=10**9, window=10**9)  # no timings
+    auto = AutoBudget(drafter, curve, free, probe_calls=10**9)  # the start-up choice only
     plain = generate(target, requests, config)
     drafted = generate(target, requests[:1], config, drafter=auto)
     drafted += generate(target, requests[1:], config, drafter=auto)
