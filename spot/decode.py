@@ -137,10 +137,10 @@ class WalkObserver(Protocol):
 
 class Drafter(Protocol):
     """Also read when present: `needs_hidden` (the stale logits come with the last hidden
-    states) and `observe_forward(seconds)`, called after every forward with the seconds it
-    took to verify the trees (the target's forward and the commit rule; the commit rule reads
-    its result on the CPU, so a GPU forward is waited for) — what `drafter.budget: auto`
-    learns an iteration's cost from."""
+    states) and `observe_forward(seconds, steps)`, called after every forward that verified
+    a proposal, with the seconds the verification took (the target's forward and the commit
+    rule; the commit rule reads its result on the CPU, so a GPU forward is waited for) and the
+    mean steps the proposal's requests advanced — what `drafter.budget: auto` learns from."""
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
         """One tree per input, rooted at input.root (node 0)."""
@@ -180,18 +180,20 @@ def generate(
         active = [a for a in active if not _finish_if_done(a, results, start)]
         if not active:
             break
-        trees = _propose(drafter, active, requests, config, confidence, step_noise)
+        trees, drafted = _propose(drafter, active, requests, config, confidence, step_noise)
         verify_start = time.perf_counter()
         scores = _score(target, active, trees, config.block_length, hidden)
         successors = _successors(
             active, trees, scores, requests, config, target, confidence, step_noise
         )
-        if observe_forward is not None:
-            observe_forward(time.perf_counter() - verify_start)
+        verify_seconds = time.perf_counter() - verify_start
+        drafted_steps, asked = 0, set(drafted)
         offset = 0
-        for a, tree in zip(active, trees):
+        for i, (a, tree) in enumerate(zip(active, trees)):
             nodes = len(tree.nodes)
             path = verify_walk(tree, successors[offset : offset + nodes])
+            if i in asked:
+                drafted_steps += len(path)
             last = path[-1]
             if on_walk is not None:
                 on_walk(a.index, tree, path)
@@ -209,6 +211,8 @@ def generate(
             a.stale_hidden = None if scores.hidden is None else scores.hidden[offset + last]
             a.root = _rebase(a, successors[offset + last])
             offset += nodes
+        if observe_forward is not None and drafted:
+            observe_forward(verify_seconds, drafted_steps / len(drafted))
         step_noise = _noise_ahead(step_noise, active, requests)
     return results  # type: ignore[return-value]
 
@@ -282,11 +286,13 @@ def _propose(
     config: DecodingConfig,
     confidence: ConfidenceName,
     step_noise: dict,
-) -> list[DraftTree]:
+) -> tuple[list[DraftTree], list[int]]:
+    """Every request's tree, and the indices of those the drafter proposed for (every request
+    past its first forward: the others have no stale logits yet)."""
     trees = [DraftTree.single(a.root) for a in active]
     drafting = [i for i, a in enumerate(active) if a.stale_logits is not None]
     if drafter is None or not drafting:
-        return trees
+        return trees, []
     inputs = [
         DraftInput(
             active[i].layout,
@@ -309,7 +315,7 @@ def _propose(
             raise ValueError("a drafter must root its tree at the given root")
         trees[i] = tree
         active[i].stats.drafter_seconds += share
-    return trees
+    return trees, drafting
 
 
 def _score(

@@ -92,7 +92,7 @@ def iterate(auto: AutoBudget, verification, n: int = 1, times: int = 1) -> list[
     for _ in range(times):
         [budget, *_] = auto.propose([None] * n)
         chosen.append(budget)
-        auto.observe_forward(verification(n * (budget + 1)))
+        auto.observe_forward(verification(n * (budget + 1)), auto.steps[budget])
     return chosen
 
 
@@ -181,12 +181,14 @@ def test_the_decode_loop_reports_each_verification_to_the_drafter():
     seen = []
 
     class Observing(RandomDrafter):
-        def observe_forward(self, seconds):
-            seen.append(seconds)
+        def observe_forward(self, seconds, steps):
+            seen.append((seconds, steps))
 
     config = DecodingConfig(gen_length=16, block_length=4)
     [result] = generate(target, [Request(torch.tensor([1, 2, 3]), 5)], config, Observing())
-    assert len(seen) == result.stats.nfe and all(s > 0 for s in seen)
+    # every forward but the first (no stale logits yet: nothing proposed, one step)
+    assert len(seen) == result.stats.nfe - 1 and all(s > 0 for s, _ in seen)
+    assert 1 + sum(steps for _, steps in seen) == result.stats.steps > result.stats.nfe
 
 
 def test_drafting_is_priced_per_call_never_cheaper_for_a_smaller_budget():
@@ -208,3 +210,22 @@ def test_batch_sizes_of_one_power_of_two_share_a_search():
     assert iterate(auto, cost, n=5, times=4) == [0, 1, 0, 1]  # meets budget 1, in turns
     assert iterate(auto, cost, n=8, times=2) == [0, 0]  # a search of its own, probing
     assert auto.chosen == {7: 0, 5: 0, 8: 0} and len(auto.climbs) == 2
+
+
+def test_auto_budget_corrects_an_optimistic_curve_with_the_steps_it_measures():
+    """The curve promises 1.8 steps per forward at budget 1, the decoding gives 1.1: by the
+    curve budget 1 wins (1.8 / 1.25 against 1 / 1), by the measured steps it loses. Pooled
+    with the curve (as 8 iterations of it), the measured steps turn the next meeting."""
+    clock = FakeClock()
+    cost = ForwardCost((1, 2, 64), (1.0, 1.25, 64.0))
+    curve = AcceptanceCurve((0, 1), (1.0, 1.8))
+    auto = AutoBudget(TimedDrafter(clock), curve, cost, probe_calls=2, recheck=40, clock=clock)
+    chosen = []
+    for _ in range(60):
+        [budget] = auto.propose([None])
+        chosen.append(budget)
+        auto.observe_forward(cost(budget + 1), 1.1 if budget else 1.0)
+    assert chosen[:8] == [1, 1, 1, 0, 1, 0, 1, 1] and chosen[-10:] == [0] * 10
+    assert auto._steps(1, 1) == pytest.approx(
+        (1.8 * 8 + 1.1 * auto.timed[1, 1]) / (8 + auto.timed[1, 1])
+    )
