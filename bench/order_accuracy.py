@@ -14,9 +14,11 @@ per tree, at its root).
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
+from spot.drafters.order_model import DOUBT_SCALE
 from spot.drafters.training import build_samples
 from spot.drafters.trajectory import Trajectories
 from spot.models.drafter_files import load_order_model
@@ -60,6 +62,43 @@ def main() -> None:
             f"| {j} | {int(m.sum())} | {rule[m].mean():.3f} | {fresh[m].mean():.3f} | "
             f"{root[m].mean():.3f} |"
         )
+    print()
+    by_confidence(samples, config, depth == 1, rank, rule, fresh)
+
+
+def by_confidence(samples, config, rows, rank, rule, model) -> None:
+    """Depth 1 by the stale confidence of the rule's guess: how much of the order is decided
+    among positions the stale forward already called near-certain, and how often the target
+    took the rule's runner-up instead."""
+    guess = rank.argmin(-1)
+    doubt = samples.features[..., config.log_doubt_index] * DOUBT_SCALE  # log(1 - confidence)
+    guess_doubt = doubt.gather(1, guess[:, None]).squeeze(1)
+    runner_up = rank.masked_fill(rank.eq(rank.min(-1, keepdim=True).values), 2.0).argmin(-1)
+    second = samples.label.gather(1, runner_up[:, None]).squeeze(1) & (rule == 0)
+    print(
+        "| rule's guess: stale confidence | share | rule's guess | order model | "
+        "errors where the target took the runner-up |"
+    )
+    print("|---|---|---|---|---|")
+    for name, lo, hi in BANDS:
+        m = (
+            rows
+            & (guess_doubt <= math.log(1 - lo))
+            & (guess_doubt > (math.log(1 - hi) if hi < 1 else -math.inf))
+        )
+        errors = m & (rule == 0)
+        print(
+            f"| {name} | {m.float().sum() / rows.sum():.3f} | {rule[m].mean():.3f} | "
+            f"{model[m].mean():.3f} | {second[errors].sum() / max(1, errors.sum()):.3f} |"
+        )
+
+
+BANDS = (
+    ("below 0.9", 0.0, 0.9),
+    ("0.9-0.9999", 0.9, 0.9999),
+    ("0.9999-0.99999999", 0.9999, 1 - 1e-8),
+    ("above 0.99999999", 1 - 1e-8, 1.0),
+)
 
 
 if __name__ == "__main__":
