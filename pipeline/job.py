@@ -112,7 +112,8 @@ class DrafterConfig(_Section):
         "spiffy); 0 (draft-free) is a legal outcome. While decoding, the budget in use takes "
         "turns with its neighbours on the curve, iteration by iteration, and gives way to one "
         "that shows 5% more measured steps per second (proposal and verification timed, steps "
-        "counted); neighbours are met again every 256 iterations. A number forces that budget.",
+        "counted; draft-free needs no margin, and a new budget meets the one it replaced once "
+        "more); neighbours are met again every 256 iterations. A number forces that budget.",
     )
 
     @field_validator("budget")
