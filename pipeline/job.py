@@ -110,10 +110,12 @@ class DrafterConfig(_Section):
         "with the most expected steps per second from the drafter's acceptance curve (measured "
         "after training for spot and spot-sets, predicted by the calibration counts for "
         "spiffy); 0 (draft-free) is a legal outcome. While decoding, the budget in use takes "
-        "turns with its neighbours on the curve, iteration by iteration, and gives way to one "
-        "that shows 5% more measured steps per second (proposal and verification timed, steps "
-        "counted; draft-free needs no margin, and a new budget meets the one it replaced once "
-        "more); neighbours are met again every 256 iterations. A number forces that budget.",
+        "turns with others, iteration by iteration (a drafting budget with draft-free and its "
+        "neighbours on the curve, draft-free with the drafting budget the cost model ranks "
+        "best), and gives way to one that shows 5% more measured steps per second (proposal "
+        "and verification timed, steps counted; draft-free needs no margin, and a new budget "
+        "meets the one it replaced once more); they are met again every 256 iterations. A "
+        "number forces that budget.",
     )
 
     @field_validator("budget")

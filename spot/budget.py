@@ -14,7 +14,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -124,11 +124,21 @@ def choose_budget(
 ) -> int:
     """The budget with the most expected steps per second for `batch_size` requests; the
     drafter's own seconds per proposal (`drafting`) come on top of the forward."""
-    rate = {
+    rate = expected_rates(curve, cost, batch_size, drafting)
+    return max(rate, key=lambda d: (rate[d], -d))
+
+
+def expected_rates(
+    curve: AcceptanceCurve,
+    cost: ForwardCost,
+    batch_size: int,
+    drafting: DraftingCost | None = None,
+) -> dict[int, float]:
+    """Expected steps per second per budget of the curve."""
+    return {
         d: s / (cost(batch_size * (d + 1)) + (drafting(d, batch_size) if drafting and d else 0.0))
         for d, s in zip(curve.budgets, curve.steps_per_forward)
     }
-    return max(rate, key=lambda d: (rate[d], -d))
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,7 @@ class _Climb:
     seconds: dict[int, list[float]] = field(default_factory=dict)  # this meeting's iterations
     drafting: list[float] = field(default_factory=list)  # the first budget's proposals
     probing: bool = True  # timing the first budget alone, for the drafter's own cost
+    own: DraftingCost | None = None  # the drafter's time, once probed at a drafting budget
     displaced: int | None = None  # the budget the one in use replaced, until their rematch
     settled: int = 0  # iterations since the last meeting ended
 
@@ -183,7 +194,9 @@ class AutoBudget:
     kept, a new winner meets the budget it replaced once more (sdar-tiny, batch 8: four
     iterations a side once crowned budget 1 over draft-free, which it runs 3% slower than, for
     the 256 iterations up to the next meeting), and the search goes on from a winner until
-    both its neighbours lose (a hill climb).
+    every budget it meets loses: a hill climb over the drafting budgets, with draft-free met
+    from each of them, and from draft-free the drafting budget the cost model ranks best
+    (`_neighbours`).
     Steps per forward are the curve's, corrected by the steps measured at that budget as they
     accumulate (the curve counts as `prior_iterations` of them: Spiffy's is predicted from its
     calibration counts, and under threshold decoding it promised 6% more from budget 2 than
@@ -268,16 +281,17 @@ class AutoBudget:
         if climb.probing:
             climb.drafting.append(drafting)
             if len(climb.drafting) == self.probe_calls:
-                own = DraftingCost(budget, n, statistics.median(climb.drafting)) if budget else None
-                climb.in_use = choose_budget(self.curve, self.cost, n, own)
+                if budget:
+                    climb.own = DraftingCost(budget, n, statistics.median(climb.drafting))
+                climb.in_use = choose_budget(self.curve, self.cost, n, climb.own)
                 climb.probing = False
-                climb.challengers = self._neighbours(climb.in_use)
+                climb.challengers = self._neighbours(climb, n, climb.in_use)
             return
         if not climb.challengers:
             climb.settled += 1
             if climb.settled >= self.recheck:
                 climb.settled = 0
-                climb.challengers = self._neighbours(climb.in_use)
+                climb.challengers = self._neighbours(climb, n, climb.in_use)
             return
         climb.seconds.setdefault(budget, []).append(drafting + seconds)
         held, rival = climb.in_use, climb.challengers[0]
@@ -290,7 +304,7 @@ class AutoBudget:
         margin = self.margin if rival else 0.0
         if rate[rival] > rate[held] * (1 + margin):
             climb.in_use = rival
-            onward = [d for d in self._neighbours(rival) if d != held]  # not back
+            onward = [d for d in self._neighbours(climb, n, rival) if d != held]  # not back
             if not rematch:  # one meeting can crown a budget by noise: meet again first
                 onward, climb.displaced = [held, *onward], held
             climb.challengers = onward
@@ -301,7 +315,19 @@ class AutoBudget:
         prior, measured = self.prior_iterations, self.timed[k, budget]
         return (self.steps[budget] * prior + self.advanced[k, budget]) / (prior + measured)
 
-    def _neighbours(self, budget: int) -> list[int]:
-        """The budgets next to `budget` on the acceptance curve, smaller first."""
-        i = self.curve.budgets.index(budget)
-        return [d for d in self.curve.budgets[max(0, i - 1) : i + 2] if d != budget]
+    def _neighbours(self, climb: _Climb, n: int, budget: int) -> list[int]:
+        """The budgets `budget` meets, smaller first. From a drafting budget: draft-free and
+        the drafting budgets next to it on the curve. From draft-free: the drafting budget
+        the cost model ranks best, not the smallest, with the drafter's measured time priced
+        per call at every budget (optimistic for the larger ones; the meeting measures them).
+        A drafter's time is mostly per call (SPOT's order model runs once per round: 1.97 ms
+        at budget 1, 1.94 at 2 on sdar-tiny), so budget 1 can lose to draft-free where 2
+        beats it, and a climb through 1 never gets there (batch 1: 0.96-1.00x at budget 1,
+        1.06-1.11x at 2-3; auto probed at 1, fell to 0 and stayed, 0.99-1.00x)."""
+        drafting = [d for d in self.curve.budgets if d]
+        if budget == 0:
+            per_call = climb.own and replace(climb.own, budget=max(self.curve.budgets))
+            rate = expected_rates(self.curve, self.cost, n, per_call)
+            return [max(drafting, key=lambda d: (rate[d], -d))] if drafting else []
+        i = drafting.index(budget)
+        return [0, *(d for d in drafting[max(0, i - 1) : i + 2] if d != budget)]

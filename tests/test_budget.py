@@ -72,16 +72,23 @@ class FakeClock:
 
 class TimedDrafter:
     """Proposes `budget` as its tree and spends `seconds_per_node` of the fake clock per node
-    and request."""
+    and request, and `seconds_per_call` per request whenever it drafts (a model run once per
+    round, as SPOT's)."""
 
     budget = 99
 
-    def __init__(self, clock: FakeClock, seconds_per_node: float = 0.0):
+    def __init__(
+        self, clock: FakeClock, seconds_per_node: float = 0.0, seconds_per_call: float = 0.0
+    ):
         self.clock = clock
         self.seconds_per_node = seconds_per_node
+        self.seconds_per_call = seconds_per_call
 
     def propose(self, inputs):
-        self.clock.now += self.seconds_per_node * self.budget * len(inputs)
+        per_request = self.seconds_per_node * self.budget
+        if self.budget:
+            per_request += self.seconds_per_call
+        self.clock.now += per_request * len(inputs)
         return [self.budget] * len(inputs)
 
 
@@ -103,27 +110,30 @@ def test_auto_budget_counts_the_drafters_own_time():
     clock = FakeClock()
     free = ForwardCost((1, 64), (0.01, 0.01))
     auto = AutoBudget(TimedDrafter(clock), CURVE, free, probe_calls=2, clock=clock)
-    # probed alone, then met by its one neighbour in turns; it stays
-    assert iterate(auto, free, times=10) == [7, 7] + [7, 3] * 2 + [7] * 4
+    # probed alone, then met by draft-free and its neighbour in turns; it stays
+    assert iterate(auto, free, times=10) == [7, 7] + [7, 0] * 2 + [7, 3] * 2
     auto = AutoBudget(TimedDrafter(clock, 0.01), CURVE, free, probe_calls=2, clock=clock)
     # 7 nodes cost 0.07 s: 3.2 / 0.08 < 1 / 0.01, and drafting is priced per call, never
-    # cheaper for a smaller budget, so 0 follows; its neighbour 1 loses (1.8 / 0.02 < 100)
-    assert iterate(auto, free, times=10) == [7, 7] + [0, 1] * 2 + [0] * 4
+    # cheaper for a smaller budget, so 0 follows; the drafting budget it meets is the one
+    # ranked best at that price, 7, which loses again
+    assert iterate(auto, free, times=10) == [7, 7] + [0, 7] * 2 + [0] * 4
     assert auto.chosen == {1: 0}
 
 
 def test_auto_budget_climbs_past_a_disturbed_start_up_timing():
     """The start-up curve timed 4 states during a burst of other work (4.0 s instead of 1.6):
     budget 3 looks worst. Meeting its neighbours on measured iterations, budget 1 loses to 3,
-    3 wins their rematch and beats 7 (steps per second: 0 -> 1.0, 1 -> 1.5, 3 -> 1.63,
-    7 -> 1.33)."""
+    3 wins their rematch and beats draft-free and 7 (steps per second: 0 -> 1.0, 1 -> 1.5,
+    3 -> 1.63, 7 -> 1.33)."""
     true = ForwardCost((1, 8), (1.0, 2.4))  # 1 + 0.2 per extra state
     disturbed = ForwardCost((1, 2, 4, 8), (1.0, 1.2, 4.0, 2.4))
     assert choose_budget(CURVE, disturbed, 1) == 1  # what the start-up curve alone keeps
     clock = FakeClock()
     auto = AutoBudget(TimedDrafter(clock), CURVE, disturbed, probe_calls=4, clock=clock)
-    chosen = iterate(auto, true, times=40)
-    assert chosen == [1] * 4 + [1, 0] * 4 + [1, 3] * 4 + [3, 1] * 4 + [3, 7] * 4 + [3] * 4
+    chosen = iterate(auto, true, times=48)
+    assert chosen == (
+        [1] * 4 + [1, 0] * 4 + [1, 3] * 4 + [3, 1] * 4 + [3, 0] * 4 + [3, 7] * 4 + [3] * 4
+    )
     assert auto.chosen == {1: 3}
 
 
@@ -173,11 +183,15 @@ def test_auto_budget_meets_its_neighbours_again_after_recheck_iterations():
     cheap = ForwardCost((1, 64), (1.0, 1.0))
     auto = AutoBudget(TimedDrafter(clock), CURVE, dear, probe_calls=2, recheck=10, clock=clock)
     assert iterate(auto, dear, times=16) == [0, 0] + [0, 1] * 2 + [0] * 10
-    chosen = iterate(auto, cheap, times=28)
-    # each winner meets the budget it replaced once more, then goes on
+    chosen = iterate(auto, cheap, times=36)
+    # each winner meets the budget it replaced once more, then draft-free, then goes on
     assert (
         chosen
-        == [0, 1] * 2 + [1, 0] * 2 + [1, 3] * 2 + [3, 1] * 2 + [3, 7] * 2 + [7, 3] * 2 + [7] * 4
+        == (
+            [0, 1] * 2 + [1, 0] * 2 + [1, 3] * 2 + [3, 1] * 2 + [3, 0] * 2 + [3, 7] * 2 + [7, 3] * 2
+        )
+        + [7, 0] * 2
+        + [7] * 4
     )
 
 
@@ -280,3 +294,19 @@ def test_a_budget_crowned_by_one_noisy_meeting_loses_the_rematch():
         auto.observe_forward(0.8 if noisy else 1.0, 0.97 if budget else 1.0)
     assert chosen == [0, 0] + [0, 1] * 2 + [1, 0] * 2 + [0] * 4
     assert auto.chosen == {1: 0}
+
+
+def test_draft_free_meets_the_best_drafting_budget_not_the_smallest():
+    """A drafter whose time is per call (0.8 s per round, whatever its width): budget 1 runs
+    slower than draft-free (1.8 / 2.0 s), budget 3 faster (2.6 / 2.4 s). The start-up curve
+    timed wide forwards slow (4 states 2.0 s for 1.6): it starts at 1, and priced per node
+    from there the drafter's time makes every drafting budget lose, so the choice falls to 0.
+    From there the search meets 3, the drafting budget ranked best with the drafter priced
+    per call, not 1, and keeps it (stepping through 1, it would never get past 1's loss)."""
+    clock = FakeClock()
+    startup = ForwardCost((1, 2, 4, 8), (1.0, 1.2, 2.0, 3.0))
+    true = ForwardCost((1, 8), (1.0, 2.4))  # 1 + 0.2 per extra state
+    auto = AutoBudget(TimedDrafter(clock, seconds_per_call=0.8), CURVE, startup, 2, clock=clock)
+    chosen = iterate(auto, true, times=30)
+    assert chosen[:6] == [1, 1] + [0, 3] * 2  # probed at 1, fell to 0, met 3
+    assert chosen[-4:] == [3] * 4 and auto.chosen == {1: 3}
