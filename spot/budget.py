@@ -124,8 +124,12 @@ def choose_budget(
 ) -> int:
     """The budget with the most expected steps per second for `batch_size` requests; the
     drafter's own seconds per proposal (`drafting`) come on top of the forward."""
-    rate = expected_rates(curve, cost, batch_size, drafting)
-    return max(rate, key=lambda d: (rate[d], -d))
+    return fastest(expected_rates(curve, cost, batch_size, drafting), curve.budgets)
+
+
+def fastest(rate: dict[int, float], budgets: Sequence[int]) -> int:
+    """The budget among `budgets` with the most steps per second; the smaller on a tie."""
+    return max(budgets, key=lambda d: (rate[d], -d))
 
 
 def expected_rates(
@@ -328,6 +332,6 @@ class AutoBudget:
         if budget == 0:
             per_call = climb.own and replace(climb.own, budget=max(self.curve.budgets))
             rate = expected_rates(self.curve, self.cost, n, per_call)
-            return [max(drafting, key=lambda d: (rate[d], -d))] if drafting else []
+            return [fastest(rate, drafting)] if drafting else []
         i = drafting.index(budget)
         return [0, *(d for d in drafting[max(0, i - 1) : i + 2] if d != budget)]

@@ -92,14 +92,15 @@ class TimedDrafter:
         return [self.budget] * len(inputs)
 
 
-def iterate(auto: AutoBudget, verification, n: int = 1, times: int = 1) -> list[int]:
+def iterate(auto: AutoBudget, verification, n: int = 1, times: int = 1, steps=None) -> list[int]:
     """Budgets chosen over `times` iterations of n requests whose verification of n * (D + 1)
-    states takes verification(states) seconds."""
+    states takes verification(states) seconds and advances steps(D) (the curve's by default)."""
     chosen = []
     for _ in range(times):
         [budget, *_] = auto.propose([None] * n)
         chosen.append(budget)
-        auto.observe_forward(verification(n * (budget + 1)), auto.steps[budget])
+        advanced = auto.steps[budget] if steps is None else steps(budget)
+        auto.observe_forward(verification(n * (budget + 1)), advanced)
     return chosen
 
 
@@ -239,11 +240,7 @@ def test_auto_budget_corrects_an_optimistic_curve_with_the_steps_it_measures():
     cost = ForwardCost((1, 2, 64), (1.0, 1.25, 64.0))
     curve = AcceptanceCurve((0, 1), (1.0, 1.8))
     auto = AutoBudget(TimedDrafter(clock), curve, cost, probe_calls=2, recheck=40, clock=clock)
-    chosen = []
-    for _ in range(70):
-        [budget] = auto.propose([None])
-        chosen.append(budget)
-        auto.observe_forward(cost(budget + 1), 1.0)
+    chosen = iterate(auto, cost, times=70, steps=lambda budget: 1.0)
     assert chosen[:8] == [1, 1, 1, 0, 1, 0, 1, 1] and chosen[-10:] == [0] * 10
     assert auto._steps(1, 1) == pytest.approx((1.8 * 8 + auto.timed[1, 1]) / (8 + auto.timed[1, 1]))
 
@@ -269,11 +266,7 @@ def test_draft_free_takes_its_place_back_whenever_it_is_faster():
     same = ForwardCost((1, 2), (1.0, 1.0))
     curve = AcceptanceCurve((0, 1), (1.0, 1.2))
     auto = AutoBudget(TimedDrafter(clock), curve, startup, 2, prior_iterations=0, clock=clock)
-    chosen = []
-    for _ in range(14):
-        [budget] = auto.propose([None])
-        chosen.append(budget)
-        auto.observe_forward(same(budget + 1), 0.97 if budget else 1.0)
+    chosen = iterate(auto, same, times=14, steps=lambda budget: 0.97 if budget else 1.0)
     assert chosen == [1, 1] + [1, 0] * 2 + [0, 1] * 2 + [0] * 4  # 0 wins, and the rematch
     assert auto.chosen == {1: 0}
 
@@ -286,12 +279,13 @@ def test_a_budget_crowned_by_one_noisy_meeting_loses_the_rematch():
     startup = ForwardCost((1, 2), (1.0, 2.0))  # budget 0 first
     curve = AcceptanceCurve((0, 1), (1.0, 1.2))
     auto = AutoBudget(TimedDrafter(clock), curve, startup, 2, prior_iterations=0, clock=clock)
-    chosen = []
-    for i in range(14):
-        [budget] = auto.propose([None])
-        chosen.append(budget)
-        noisy = budget == 1 and 2 <= i < 6
-        auto.observe_forward(0.8 if noisy else 1.0, 0.97 if budget else 1.0)
+    iteration = iter(range(10**6))
+
+    def verification(states: int) -> float:
+        noisy = 2 <= next(iteration) < 6 and states == 2  # budget 1's, in its first meeting
+        return 0.8 if noisy else 1.0
+
+    chosen = iterate(auto, verification, times=14, steps=lambda budget: 0.97 if budget else 1.0)
     assert chosen == [0, 0] + [0, 1] * 2 + [1, 0] * 2 + [0] * 4
     assert auto.chosen == {1: 0}
 
