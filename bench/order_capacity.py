@@ -17,14 +17,13 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
 from pipeline.drafter_training import (
     corpus_prompts,
     encode,
     load_model_and_tokenizer,
     measure_acceptance,
     recorded_decoding,
+    trained_on,
 )
 from spot.drafters.order_model import OrderModelConfig
 from spot.drafters.spot import SpotDrafter
@@ -66,18 +65,17 @@ def main() -> None:
             validation=root_samples(validation, config),
         )
         minutes = (time.perf_counter() - t0) / 60
-        with torch.no_grad():
-            drafter = SpotDrafter(model, args.budget)
-            curve = measure_acceptance(
-                target, drafter, requests, recorded_decoding(traj.meta), batch_size=8
-            )
+        drafter = SpotDrafter(model, args.budget)
+        curve = measure_acceptance(
+            target, drafter, requests, recorded_decoding(traj.meta), batch_size=8
+        )
         name = f"{config.d_model}x{config.num_layers}x{config.ff_size}"
         save_order_model(
             Path(args.out_dir) / f"spot-{name}.safetensors",
             model,
             "spot",
             {
-                "trained_on": {k: v for k, v in traj.meta.items() if k != "requests"},
+                "trained_on": trained_on(traj.meta, args.model),
                 "metrics": metrics,
                 "acceptance_curve": curve,
             },

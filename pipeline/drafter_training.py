@@ -95,6 +95,12 @@ def record(
     return recorder.result(meta)
 
 
+def trained_on(meta: dict, model_path: str) -> dict:
+    """A drafter header's record of its trajectories and target: the recording's metadata
+    without its per-request list."""
+    return {k: meta[k] for k in meta if k != "requests"} | {"model": model_path}
+
+
 def recorded_decoding(meta: dict) -> DecodingConfig:
     """The decoding that trajectories (and so the drafters trained on them) were recorded
     with."""
@@ -273,7 +279,7 @@ def train_command(
     requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
     curve = measure_acceptance(target, drafter, requests, config, batch_size=8)
     header = {
-        "trained_on": {k: meta[k] for k in meta if k != "requests"} | {"model": model_path},
+        "trained_on": trained_on(meta, model_path),
         "metrics": metrics,
         "acceptance_curve": curve,
     }
