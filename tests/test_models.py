@@ -4,7 +4,6 @@ the real checkpoints' parameter lists mapped onto native parameters on the meta 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ from spot.models.loading import load_model, load_target, original_shapes, save_c
 from spot.models.registry import family_for
 from spot.models.sdar import SDAR_FAMILY
 from spot.models.transformer import block_causal_mask
+from tests.reference_files import reference_checkpoint
 from tests.tiny_checkpoints import EOS_IDS, MASK_ID, random_model, write_checkpoint
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference-checkpoints"
 FAMILIES = ("sdar", "llada")
 
 
@@ -49,11 +48,12 @@ def test_saved_files_use_original_names_and_keys(tmp_path):
     assert "model.transformer.blocks.1.ff_proj.weight" in names
     assert "model.transformer.ff_out.weight" in names
     assert not any(n.startswith("model.layers") for n in names)
-    reference_keys = set(json.loads((REFERENCE / "llada-8b-instruct/config.json").read_text()))
+    llada_config = reference_checkpoint("llada-8b-instruct") / "config.json"
+    reference_keys = set(json.loads(llada_config.read_text()))
     written = json.loads((tmp_path / "llada" / "config.json").read_text())
     assert set(written) - {"torch_dtype"} <= reference_keys
     assert written["mask_token_id"] == MASK_ID
-    sdar_keys = set(json.loads((REFERENCE / "sdar-8b-chat/config.json").read_text()))
+    sdar_keys = set(json.loads((reference_checkpoint("sdar-8b-chat") / "config.json").read_text()))
     written = json.loads((tmp_path / "sdar" / "config.json").read_text())
     assert set(written) - {"torch_dtype"} <= sdar_keys
     generation = json.loads((tmp_path / "sdar" / "generation_config.json").read_text())
@@ -149,7 +149,7 @@ def test_family_traits():
 
 # -- the real checkpoints' parameter lists, on the meta device ---------------------------------
 def _index_names(name: str) -> set[str]:
-    index = json.loads((REFERENCE / name / "model.safetensors.index.json").read_text())
+    index = json.loads((reference_checkpoint(name) / "model.safetensors.index.json").read_text())
     return set(index["weight_map"])
 
 
@@ -158,7 +158,7 @@ def _index_names(name: str) -> set[str]:
     [("sdar-8b-chat", 4096, 12288, 8.19), ("sdar-4b-chat", 2560, 9728, 4.41)],
 )
 def test_real_sdar_parameters_map_on_meta(name, hidden, intermediate, params_billion):
-    loaded = load_model(REFERENCE / name, device="meta")
+    loaded = load_model(reference_checkpoint(name), device="meta")
     model = loaded.model
     assert model.lm_head.weight.is_meta
     shapes = original_shapes(loaded.family, model)
@@ -182,7 +182,8 @@ def test_real_sdar_parameters_map_on_meta(name, hidden, intermediate, params_bil
 
 
 def test_real_llada_parameters_map_on_meta():
-    loaded = load_model(REFERENCE / "llada-8b-instruct", device="meta", dtype=torch.bfloat16)
+    llada = reference_checkpoint("llada-8b-instruct")
+    loaded = load_model(llada, device="meta", dtype=torch.bfloat16)
     model = loaded.model
     assert model.lm_head.weight.is_meta and model.lm_head.weight.dtype == torch.bfloat16
     shapes = original_shapes(loaded.family, model)
@@ -210,9 +211,10 @@ def test_real_llada_parameters_map_on_meta():
 
 
 def test_meta_load_refuses_a_foreign_key_list(tmp_path):
+    sdar = reference_checkpoint("sdar-4b-chat")
     for file in ("config.json", "generation_config.json"):
-        (tmp_path / file).write_text((REFERENCE / "sdar-4b-chat" / file).read_text())
-    index = json.loads((REFERENCE / "sdar-4b-chat/model.safetensors.index.json").read_text())
+        (tmp_path / file).write_text((sdar / file).read_text())
+    index = json.loads((sdar / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.layers.0.self_attn.q_proj.bias"] = "model-00001.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="unexpected"):

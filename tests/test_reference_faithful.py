@@ -27,12 +27,10 @@ from spot.models.registry import family_for
 from spot.models.target import DiffusionTarget
 from spot.tree import State
 from tests import reference_loops as ref
+from tests.reference_files import reference_checkpoint
 from tests.test_models_dream_llada2 import random_model as dream_or_llada2_model
 from tests.tiny_checkpoints import EOS_IDS, MASK_ID, random_model
 
-SDAR_CHAT = (
-    Path(__file__).resolve().parents[2] / "shared" / "reference-checkpoints" / "sdar-8b-chat"
-)
 PROMPT_LENGTHS = (1, 4, 6, 8, 11)  # whole blocks of 4 and 8, and partial ones
 GRID = list(itertools.product((4, 8), (1, 2)))  # (block_length, tokens_per_step)
 
@@ -381,8 +379,9 @@ def test_real_sdar_tokenizer_chat_prompt_decodes_like_the_reference(tmp_path):
     SDAR's loop decodes it, and stops at the end of the turn."""
     from pipeline.tokenizer_build import load_tokenizer
 
-    tokenizer = load_tokenizer(SDAR_CHAT)
-    decoding = load_model(SDAR_CHAT, device="meta").decoding
+    sdar_chat = reference_checkpoint("sdar-8b-chat")
+    tokenizer = load_tokenizer(sdar_chat)
+    decoding = load_model(sdar_chat, device="meta").decoding
     assert tokenizer.mask_token == "<|MASK|>"
     assert decoding.mask_id == tokenizer.mask_token_id == 151669
     assert decoding.eos_ids == tuple(
@@ -396,7 +395,7 @@ def test_real_sdar_tokenizer_chat_prompt_decodes_like_the_reference(tmp_path):
     prompt = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
     assert prompt.numel() % 4  # the first decoded block holds the prompt's tail
 
-    vocab_size = json.loads((SDAR_CHAT / "config.json").read_text())["vocab_size"]
+    vocab_size = json.loads((sdar_chat / "config.json").read_text())["vocab_size"]
     model = random_model(
         "sdar", seed=5, vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_heads=2
     )
