@@ -4,8 +4,8 @@
     .venv/bin/python bench/gpu_forward.py --steps-per-forward 1:1,4:2.1,16:3.0,64:3.6
     .venv/bin/python bench/gpu_forward.py --tiny               # CPU smoke test, seconds
 
-Random bf16 weights with the architectures of the reference configs (shared/
-reference-checkpoints/*/config.json): the cost of a forward does not depend on the weights.
+Random bf16 weights with the architectures of the reference configs (tests/
+reference_checkpoints/*/config.json): the cost of a forward does not depend on the weights.
 Each request has a prefix of 512 final tokens (SDAR: in the exact KV cache; LLaDA:
 recomputed, it has no cache) and a tree of N candidate blocks of 32; N grows 1..64, at batch 1
 and the pipeline's batch sizes. Per row: milliseconds per forward, the cost relative to N=1
@@ -33,7 +33,7 @@ from spot.models.transformer import TransformerConfig
 from spot.target import Window
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT.parent / "shared" / "reference-checkpoints"
+CONFIGS = ROOT / "tests" / "reference_checkpoints"
 MODELS = {"sdar-8b": "sdar-8b-chat", "llada-8b": "llada-8b-instruct"}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8, 32)
