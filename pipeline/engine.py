@@ -21,26 +21,35 @@ from spot.decode import Drafter, Request, Result, generate
 from spot.target import Target
 from spot.tree import Layout
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
 
 def load_model(job: Job) -> tuple[Any, Target]:
     """The tokenizer and target of job.model (a hub id not yet cached is downloaded)."""
     from pipeline.tokenizer_build import load_tokenizer
-    from spot.models.loading import load_target, resolve_checkpoint
+    from spot.models.loading import DTYPES, load_target, resolve_checkpoint
 
     directory = resolve_checkpoint(resolve_model_path(job.model.path))
     device = "cuda" if job.resources.num_gpus > 0 else "cpu"  # Ray exposes the replica's GPU
     tokenizer = load_tokenizer(directory)
     if job.model.tensor_parallel > 1:
-        from pipeline.tensor_parallel import replica_target
-
-        target = replica_target(job, str(directory))
+        target = _sharded_target(job, str(directory))
     else:
         target = load_target(
-            directory, family=job.model.family, dtype=_DTYPES[job.model.dtype], device=device
+            directory, family=job.model.family, dtype=DTYPES[job.model.dtype], device=device
         )
     return tokenizer, target
+
+
+def _sharded_target(job: Job, checkpoint: str) -> Target:
+    """The target sharded over the job's `model.tensor_parallel` ranks, this process being
+    rank 0: on GPUs when the replica has them, else on CPU with each rank taking an equal
+    share of the replica's CPUs."""
+    from spot.models.tensor_parallel import GroupSpec, ModelSpec, sharded_target
+
+    degree = job.model.tensor_parallel
+    device = "cuda" if job.resources.num_gpus > 0 else "cpu"
+    threads = max(1, int(job.resources.num_cpus // degree))
+    model = ModelSpec(checkpoint, job.model.family, job.model.dtype)
+    return sharded_target(model, GroupSpec(degree, device, threads))
 
 
 def build_drafter(job: Job, target: Target) -> Drafter | None:

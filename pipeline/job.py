@@ -432,9 +432,13 @@ def check_paths(job: Job) -> None:
     except (ImportError, OSError, ValueError) as error:
         problems.append(f"drafter.path: {_reason(error)}")
     if model_dir is not None and "://" not in model_dir and job.model.tensor_parallel > 1:
-        from pipeline.tensor_parallel import degree_problems
+        from spot.models.tensor_parallel import degree_problems
 
-        problems += degree_problems(model_dir, job.model.family, job.model.tensor_parallel)
+        degree = job.model.tensor_parallel
+        problems += [
+            f"model.tensor_parallel: {problem}"
+            for problem in degree_problems(model_dir, job.model.family, degree)
+        ]
     if (
         model_dir is not None
         and "://" not in model_dir

@@ -21,8 +21,10 @@ import torch
 import yaml
 
 from pipeline.job import JobError, load_job
-from pipeline.tensor_parallel import (
-    DTYPES,
+from spot.config import DecodingConfig
+from spot.decode import Request, generate
+from spot.models.loading import DTYPES, load_model, load_target
+from spot.models.tensor_parallel import (
     Follower,
     GroupSpec,
     ModelSpec,
@@ -33,9 +35,6 @@ from pipeline.tensor_parallel import (
     grain_size,
     row_parallel_names,
 )
-from spot.config import DecodingConfig
-from spot.decode import Request, generate
-from spot.models.loading import load_model, load_target
 from spot.target import Window
 from tests import test_models_dream_llada2 as dream_llada2
 from tests import tiny_checkpoints

@@ -21,6 +21,8 @@ from spot.models.registry import Decoding, Family, family_for
 from spot.models.target import DiffusionTarget
 from spot.models.transformer import Transformer
 
+# the dtypes a target may run in, by the name job files and specs give them
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]

@@ -10,7 +10,8 @@ broadcast to the other ranks (contexts opened and released since the last call, 
 their `keep`), so all ranks run the same forward on the same inputs and keep identical
 contexts (each holds its own heads' share of the KV cache). The coupled noise is keyed by
 (seed, request, step) and drawn on rank 0 from the full logits, which every rank holds after
-the final all-reduce; results come from rank 0.
+the final all-reduce; results come from rank 0. What to load and over which ranks comes
+as two small specs (`ModelSpec`, `GroupSpec`); the pipeline builds them from its job.
 
 Why ranks spawned by the replica rather than a placement group of rank actors per replica:
 - Ray already gives an actor its `num_gpus` on one node, and TP ranks must share a node (their
@@ -48,19 +49,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from spot.models.loading import DTYPES
 from spot.target import Scores, Target, Window
-
-if TYPE_CHECKING:
-    from pipeline.job import Job
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # DeepSpeed's default grain: MLP and LM-head shards are multiples of it (kernel alignment)
 DEFAULT_GRAIN = 64
 RENDEZVOUS_TIMEOUT = timedelta(minutes=15)  # the first start compiles the CPU all-reduce op
@@ -91,17 +89,19 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What every rank loads: a local checkpoint directory, its family, a dtype name."""
+    """What every rank loads: a local checkpoint directory, its family, a dtype name (a key
+    of `spot.models.loading.DTYPES`)."""
 
     path: str
     family: str | None = None
     dtype: str = "float32"
 
 
-# -- job validation ---------------------------------------------------------------------------
+# -- what a degree can shard ------------------------------------------------------------------
 def degree_problems(checkpoint: str | Path, family: str | None, degree: int) -> list[str]:
     """Why `degree` ranks cannot shard this checkpoint (empty when they can): attention
-    heads and key/value heads must split evenly over the ranks."""
+    heads and key/value heads must split evenly over the ranks. Read from config.json alone,
+    so a job is checked without loading weights or DeepSpeed."""
     from spot.models.registry import family_for
 
     directory = Path(checkpoint)
@@ -114,7 +114,7 @@ def degree_problems(checkpoint: str | Path, family: str | None, degree: int) -> 
     ):
         if count % degree:
             problems.append(
-                f"model.tensor_parallel: {degree} does not divide the model's {count} {what}; "
+                f"{degree} does not divide the model's {count} {what}; "
                 f"use a divisor of {math.gcd(config.num_heads, config.num_kv_heads)}"
             )
     return problems
@@ -151,7 +151,7 @@ def shard_model(model: nn.Module, degree: int) -> nn.Module:
     """The model sharded in place over the current process group's `degree` ranks.
 
     DeepSpeed casts the model to its config dtype first and accepts only float32 / bfloat16
-    (/ float16 on GPUs); the model is already in the job's dtype, so that cast is skipped,
+    (/ float16 on GPUs); the model is already in the requested dtype, so that cast is skipped,
     which is what keeps a float64 model float64 (exactness tests)."""
     from deepspeed.inference.config import DeepSpeedInferenceConfig
     from deepspeed.inference.engine import InferenceEngine
@@ -160,7 +160,7 @@ def shard_model(model: nn.Module, degree: int) -> nn.Module:
 
     class KeepDtypeEngine(InferenceEngine):
         def _convert_to_dtype(self, config) -> None:
-            """The model is loaded in the job's dtype already."""
+            """The model is loaded in the requested dtype already."""
 
     dtype = next(model.parameters()).dtype
     config = DeepSpeedInferenceConfig(
@@ -189,15 +189,10 @@ def load_shard(spec: ModelSpec, degree: int, device: str):
     return DiffusionTarget(model, loaded.decoding)
 
 
-def replica_target(job: Job, checkpoint: str) -> ShardedTarget:
-    """The target of `job` sharded over its `model.tensor_parallel` ranks,
-    this process being rank 0: on GPUs when the replica has them, else on CPU with each
-    rank taking an equal share of the replica's CPUs."""
-    degree = job.model.tensor_parallel
-    device = "cuda" if job.resources.num_gpus > 0 else "cpu"
-    threads = max(1, int(job.resources.num_cpus // degree))
-    group = TensorParallelGroup(GroupSpec(degree, device, threads))
-    return group.load(ModelSpec(checkpoint, job.model.family, job.model.dtype))
+def sharded_target(model: ModelSpec, group: GroupSpec) -> ShardedTarget:
+    """`model` sharded over the ranks `group` describes, this process being rank 0 (the
+    other ranks are started here and stop with `target.group.close()` or this process)."""
+    return TensorParallelGroup(group).load(model)
 
 
 # -- the ranks of one replica -----------------------------------------------------------------
@@ -390,7 +385,8 @@ class TensorParallelGroup:
     def _spawn(self, rank: int) -> subprocess.Popen:
         env = {**os.environ, **rank_environment(self.spec, rank, self.port)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        command = [sys.executable, "-m", "pipeline.tensor_parallel", json.dumps(asdict(self.spec))]
+        module = "spot.models.tensor_parallel"
+        command = [sys.executable, "-m", module, json.dumps(asdict(self.spec))]
         return subprocess.Popen([*command, str(rank)], env=env)
 
     def send(self, command: Any) -> None:
@@ -531,6 +527,6 @@ def _worker_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     # through the importable module, so the commands unpickle to the classes serve() checks
-    from pipeline.tensor_parallel import _worker_main as main
+    from spot.models.tensor_parallel import _worker_main as main
 
     main(sys.argv[1:])
