@@ -15,9 +15,6 @@ import click
 COMMANDS = {
     "report": "pipeline.report:report_command",
     "estimate": "pipeline.estimate:estimate_command",
-    "build-corpus": "pipeline.tokenizer_build:build_corpus_command",
-    "train-target": "pipeline.train_target:train_target_command",
-    "evaluate-target": "pipeline.target_quality:evaluate_target_command",
     "record-trajectories": "pipeline.drafter_training:record_command",
     "train-drafter": "pipeline.drafter_training:train_command",
     "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",

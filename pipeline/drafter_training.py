@@ -18,7 +18,6 @@ import click
 import torch
 from tqdm import tqdm
 
-from pipeline.corpus import examples, read_jsonl
 from spot.budget import CURVE_BUDGETS, acceptance_curve
 from spot.builtin import resolve_builtin
 from spot.config import DecodingConfig
@@ -40,7 +39,7 @@ from spot.noise import request_key
 
 
 def load_model_and_tokenizer(path: str, dtype: str = "float32"):
-    from pipeline.tokenizer_build import load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
     from spot.models.loading import load_target
 
     local = resolve_builtin(path) if path.startswith("builtin:") else Path(path)
@@ -50,6 +49,8 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32"):
 
 def corpus_prompts(split: str, count: int, seed: int = 0) -> list[dict]:
     """Prompts of the bundled corpus: the train split, or the shipped held-out file."""
+    from spot_factory.corpus import examples, read_jsonl
+
     if split == "heldout":
         return read_jsonl(resolve_builtin("prompts/heldout.jsonl"))[:count]
     stream = examples(seed, "train")
@@ -83,7 +84,7 @@ def record(
         "steps_per_block": config.steps_per_block,
         "block_length": config.block_length,
         "gen_length": config.gen_length,
-        "rule": config.rule,
+        "rule": config.rule.value,
         "threshold": config.threshold,
         "temperature": config.temperature,
         "seed": config.seed,

@@ -24,7 +24,7 @@ from spot.tree import Layout
 
 def load_model(job: Job) -> tuple[Any, Target]:
     """The tokenizer and target of job.model (a hub id not yet cached is downloaded)."""
-    from pipeline.tokenizer_build import load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
     from spot.models.loading import DTYPES, load_target, resolve_checkpoint
 
     directory = resolve_checkpoint(resolve_model_path(job.model.path))

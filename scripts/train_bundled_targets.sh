@@ -5,7 +5,7 @@
 # 22 minutes); loss logs go to $WORK.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CLI=.venv/bin/spot-pipeline
+CLI=.venv/bin/spot-factory
 WORK=${WORK:-build/targets}
 mkdir -p "$WORK"
 $CLI build-corpus

@@ -19,8 +19,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline.corpus import is_correct, is_well_formed, read_jsonl
-from pipeline.tokenizer_build import chat_prompt, load_tokenizer
+from pipeline.tokenizer import load_tokenizer
 from spot.builtin import resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
@@ -28,6 +27,8 @@ from spot.models.loading import load_target
 from spot.noise import request_key
 from spot.target import Target
 from spot.tree import State
+from spot_factory.corpus import is_correct, is_well_formed, read_jsonl
+from spot_factory.tokenizer import chat_prompt
 
 
 @dataclass

@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.corpus import examples, heldout_prompt_set, write_jsonl
 from spot.builtin import builtin_root
+from spot_factory.corpus import examples, heldout_prompt_set, write_jsonl
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -30,19 +30,6 @@ CHAT_TEMPLATE = (
 )
 DEFAULT_VOCAB_SIZE = 1280
 DEFAULT_TRAINING_EXAMPLES = 20_000
-
-
-def load_tokenizer(directory: str | Path):
-    """A checkpoint directory's tokenizer, of the class its tokenizer_config.json names.
-
-    AutoTokenizer otherwise reads config.json to find that class; transformers does not know
-    the DLM families' model types (sdar, llada), so every load warned that the checkpoint
-    might not fit the model and that its `rope_scaling` key is deprecated."""
-    from transformers import AutoTokenizer, PreTrainedConfig
-
-    return AutoTokenizer.from_pretrained(
-        directory, config=PreTrainedConfig(), local_files_only=True
-    )
 
 
 def chat_prompt(prompt: str) -> str:

@@ -35,12 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from pipeline.corpus import examples
-from pipeline.tokenizer_build import EOS, IM_END, MASK, chat_prompt
 from spot.builtin import builtin_root, resolve_builtin
 from spot.models.loading import save_checkpoint as save_checkpoint_files
 from spot.models.registry import family_for
 from spot.models.transformer import Transformer, TransformerConfig
+from spot_factory.corpus import examples
+from spot_factory.tokenizer import EOS, IM_END, MASK, chat_prompt
 
 
 class Architecture(BaseModel):
@@ -467,7 +467,7 @@ def _readme(spec: TrainSpec, parameters: int, seconds: float, seen: int) -> str:
         f"Python functions, JSON records) for {spec.steps} steps of {spec.batch_size} "
         f"sequences ({seen} examples) in {seconds / 60:.1f} min on CPU; AdamW "
         f"(lr {spec.learning_rate}, cosine), seed {spec.seed}.\n\n"
-        f"Reproduce: `spot-pipeline train-target {spec.name}`; the exact settings are in "
+        f"Reproduce: `spot-factory train-target {spec.name}`; the exact settings are in "
         f"training.json. Prompts use the chat template in tokenizer_config.json.\n"
     )
 

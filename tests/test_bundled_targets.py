@@ -8,13 +8,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.corpus import is_well_formed
-from pipeline.target_quality import completion_text
-from pipeline.tokenizer_build import chat_prompt, load_tokenizer
+from pipeline.tokenizer import load_tokenizer
 from spot.builtin import builtin_targets, resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
 from spot.models.loading import load_target
+from spot_factory.corpus import is_well_formed
+from spot_factory.target_quality import completion_text
+from spot_factory.tokenizer import chat_prompt
 
 BUNDLED = {"sdar-tiny": "sdar", "sdar-nano": "sdar", "llada-tiny": "llada"}
 PROMPT = {

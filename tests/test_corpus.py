@@ -9,15 +9,10 @@ import operator
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline import corpus
-from pipeline.tokenizer_build import (
-    CHAT_TEMPLATE,
-    MASK,
-    chat_prompt,
-    load_tokenizer,
-    train_tokenizer,
-)
+from pipeline.tokenizer import load_tokenizer
 from spot.builtin import resolve_builtin
+from spot_factory import corpus
+from spot_factory.tokenizer import CHAT_TEMPLATE, MASK, chat_prompt, train_tokenizer
 
 
 def test_same_seed_same_text_other_seed_other_text():

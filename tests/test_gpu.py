@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.drafter_training import corpus_prompts, encode
-from pipeline.tokenizer_build import load_tokenizer
+from pipeline.tokenizer import load_tokenizer
 from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter, resolve_builtin
 from spot.config import DecodingConfig

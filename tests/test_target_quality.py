@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.target_quality import TrajectoryStats
 from spot.tree import State
+from spot_factory.target_quality import TrajectoryStats
 
 M = 9  # mask id
 

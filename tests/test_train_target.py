@@ -7,7 +7,11 @@ import json
 import torch
 from click.testing import CliRunner
 
-from pipeline.train_target import (
+from spot.config import DecodingConfig
+from spot.decode import Request, generate
+from spot.models.loading import load_target
+from spot.models.transformer import Transformer, TransformerConfig, block_causal_mask
+from spot_factory.train_target import (
     PRESETS,
     Architecture,
     SpecialIds,
@@ -18,10 +22,6 @@ from pipeline.train_target import (
     train,
     train_target_command,
 )
-from spot.config import DecodingConfig
-from spot.decode import Request, generate
-from spot.models.loading import load_target
-from spot.models.transformer import Transformer, TransformerConfig, block_causal_mask
 
 IDS = SpecialIds(mask=3, eos=0, im_end=2)
 
