@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from spot.config import DecodingConfig
+from spot.config import CommitRule, ConfidenceName, DecodingConfig
 
 BUILTIN_PREFIX = "builtin:"
 # which commit rules each drafter kind drafts for
@@ -126,32 +126,47 @@ class DrafterConfig(_Section):
         return value
 
 
+_DECODING = DecodingConfig()  # the decoding core's defaults are the job's defaults
+
+
 class DecodingSection(_Section):
-    gen_length: int = Field(256, gt=0, description="New positions per request.")
+    gen_length: int = Field(_DECODING.gen_length, gt=0, description="New positions per request.")
     block_length: int = Field(
-        32, gt=0, description="Positions decoded together; must divide gen_length."
+        _DECODING.block_length,
+        gt=0,
+        description="Positions decoded together; must divide gen_length.",
     )
-    rule: Literal["static", "threshold", "sdar_dynamic"] = Field(
-        "static",
+    rule: CommitRule = Field(
+        _DECODING.rule,
         description="static commits tokens_per_step positions per step (fixed NFE); threshold "
         "commits every position at least `threshold` confident (fewer NFE, output depends on "
         "the threshold); sdar_dynamic is SDAR's variant of it.",
     )
     tokens_per_step: int = Field(
-        1, gt=0, description="Static commits per step; must divide block_length."
+        _DECODING.tokens_per_step,
+        gt=0,
+        description="Static commits per step; must divide block_length.",
     )
-    threshold: float = Field(0.9, ge=0.0, le=1.0, description="Confidence threshold.")
+    threshold: float = Field(
+        _DECODING.threshold, ge=0.0, le=1.0, description="Confidence threshold."
+    )
     temperature: float = Field(
-        0.0, ge=0.0, description="0 is greedy; > 0 samples with coupled noise keyed by the seed."
+        _DECODING.temperature,
+        ge=0.0,
+        description="0 is greedy; > 0 samples with coupled noise keyed by the seed.",
     )
-    top_k: int | None = Field(None, gt=0, description="Sample among the k likeliest tokens.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    confidence: Literal["tempered", "untempered"] | None = Field(
-        None,
+    top_k: int | None = Field(
+        _DECODING.top_k, gt=0, description="Sample among the k likeliest tokens."
+    )
+    top_p: float | None = Field(
+        _DECODING.top_p, gt=0.0, le=1.0, description="Nucleus sampling mass."
+    )
+    confidence: ConfidenceName | None = Field(
+        _DECODING.confidence,
         description="Which probability ranks positions at T > 0; None follows the family "
         "(SDAR/Dream tempered, LLaDA untempered).",
     )
-    seed: int = Field(0, ge=0, description="Job seed of the coupled noise.")
+    seed: int = Field(_DECODING.seed, ge=0, description="Job seed of the coupled noise.")
     samples_per_prompt: int = Field(
         1,
         ge=1,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spot.config import ConfidenceName, DecodingConfig
+from spot.config import CommitRule, ConfidenceName, DecodingConfig
 
 
 def transfer_schedule(num_masked: int, steps: int) -> list[int]:
@@ -124,7 +124,7 @@ def select_commits(
     confidence: torch.Tensor,
     masked: torch.Tensor,
     k: torch.Tensor,
-    rule: str,
+    rule: CommitRule | str,
     threshold: float,
 ) -> torch.Tensor:
     """Which positions commit this step.
@@ -132,21 +132,38 @@ def select_commits(
     confidence: [N, B] float64, masked: [N, B] bool, k: [N] long (static count for this step).
     Returns [N, B] bool, always a subset of `masked`, never empty where anything is masked.
     """
+    select = _SELECT.get(rule)  # a CommitRule or its string
+    if select is None:
+        raise ValueError(f"unknown commit rule {rule!r}")
     score = confidence.masked_fill(~masked, float("-inf"))
     rank = confidence_rank(confidence, masked)
-    num_masked = masked.sum(dim=-1)
-    if rule == "static":
-        count = torch.minimum(k, num_masked)
-        return masked & (rank < count.unsqueeze(-1))
-    if rule == "threshold":
-        return masked & ((rank == 0) | (score >= threshold))
-    if rule == "sdar_dynamic":
-        high = masked & (score > threshold)
-        count = torch.minimum(k, num_masked)
-        use_high = high.sum(dim=-1) >= count
-        top = masked & (rank < count.unsqueeze(-1))
-        return torch.where(use_high.unsqueeze(-1), high, top)
-    raise ValueError(f"unknown commit rule {rule!r}")
+    top = masked & (rank < torch.minimum(k, masked.sum(dim=-1)).unsqueeze(-1))
+    return select(masked, score, rank, top, threshold)
+
+
+def _static(masked, score, rank, top, threshold):
+    """The k most confident masked positions."""
+    return top
+
+
+def _threshold(masked, score, rank, top, threshold):
+    """Every masked position at least `threshold` confident, and always the most confident."""
+    return masked & ((rank == 0) | (score >= threshold))
+
+
+def _sdar_dynamic(masked, score, rank, top, threshold):
+    """The positions above `threshold` when there are at least k of them, else the top k."""
+    high = masked & (score > threshold)
+    use_high = high.sum(dim=-1) >= top.sum(dim=-1)
+    return torch.where(use_high.unsqueeze(-1), high, top)
+
+
+# one selection per rule: (masked, score, rank, top-k set [N, B], threshold) -> [N, B] bool
+_SELECT = {
+    CommitRule.STATIC: _static,
+    CommitRule.THRESHOLD: _threshold,
+    CommitRule.SDAR_DYNAMIC: _sdar_dynamic,
+}
 
 
 def commit_rule(

@@ -7,10 +7,22 @@ pydantic job schema converts into these.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
-CommitRuleName = Literal["static", "threshold", "sdar_dynamic"]
 ConfidenceName = Literal["tempered", "untempered"]
+
+
+class CommitRule(StrEnum):
+    """Which masked positions a step commits (see `DecodingConfig`). Members are the strings
+    job files use ("static", ...) and compare equal to them."""
+
+    STATIC = "static"
+    THRESHOLD = "threshold"
+    SDAR_DYNAMIC = "sdar_dynamic"
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # messages quote the rule as job files spell it
 
 
 @dataclass(frozen=True)
@@ -29,7 +41,7 @@ class DecodingConfig:
 
     gen_length: int = 256
     block_length: int = 32
-    rule: CommitRuleName = "static"
+    rule: CommitRule = CommitRule.STATIC
     tokens_per_step: int = 1
     threshold: float = 0.9
     temperature: float = 0.0
@@ -39,6 +51,10 @@ class DecodingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.rule not in tuple(CommitRule):
+            rules = ", ".join(CommitRule)
+            raise ValueError(f"unknown commit rule {self.rule!r} (one of {rules})")
+        object.__setattr__(self, "rule", CommitRule(self.rule))  # a name given as a string
         if self.block_length <= 0 or self.gen_length <= 0:
             raise ValueError("gen_length and block_length must be positive")
         if self.gen_length % self.block_length:

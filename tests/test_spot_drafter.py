@@ -44,7 +44,7 @@ def record(target, reqs, config):
     generate(target, reqs, config, trace=rec)
     meta = {
         "steps_per_block": config.steps_per_block,
-        "rule": config.rule,
+        "rule": config.rule.value,
         "threshold": config.threshold,
         "temperature": config.temperature,
         "seed": config.seed,
