@@ -35,6 +35,7 @@ from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.order_model import OrderModel, OrderModelConfig
 from spot.drafters.spot import SpotDrafter
+from spot.drafting import Drafter
 from spot.models.drafter_files import acceptance_curve, load_drafter
 from spot.tree import DraftTree, advance
 
@@ -56,7 +57,7 @@ class Row:
         return statistics.mean(self.nfe)
 
 
-class OrderOracle:
+class OrderOracle(Drafter):
     """Knows which positions the target commits next (from a recorded draft-free run);
     drafts their tokens from the stale logits under the coupled noise, like SPOT."""
 
@@ -64,7 +65,7 @@ class OrderOracle:
         self.commits = commits  # (request key, step) -> [B] bool committed positions
         self.budget = budget
 
-    def propose(self, inputs):
+    def propose(self, inputs, noise, batch_size):
         trees = []
         for inp in inputs:
             nodes, cur = [inp.root], inp.root
@@ -74,7 +75,7 @@ class OrderOracle:
                 positions = self.commits.get((inp.key, cur.step))
                 if positions is None or cur.block_start(b) != inp.stale_state.block_start(b):
                     break
-                tokens, _ = inp.draw(cur.step)
+                tokens, _ = noise.draw(inp, cur.step)
                 block = cur.block(b).clone()
                 block[positions] = tokens[positions]
                 cur = advance(inp.layout, cur, block)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from spot.drafting import BudgetedDrafter, Drafter, DraftInput, StepNoise
 from spot.target import Target, Window
 from spot.tree import DraftTree
 
@@ -185,9 +186,10 @@ class _Climb:
         return rival if theirs < mine else self.in_use
 
 
-class AutoBudget:
-    """Wraps a drafter whose `budget` attribute sets its tree size (SPOT) and picks that
-    budget per batch size from the acceptance curve and what an iteration costs.
+class AutoBudget(Drafter):
+    """Wraps a drafter whose tree size is a budget given per call (`BudgetedDrafter.draft`)
+    and picks that budget per batch size from the acceptance curve and what an iteration
+    costs; the drafter itself is left as it is.
 
     The start-up cost curve gives the first budget. Its first `probe_calls` proposals are
     timed and the choice is made again with the drafter's own seconds (`DraftingCost`): a
@@ -210,7 +212,7 @@ class AutoBudget:
 
     def __init__(
         self,
-        drafter,
+        drafter: BudgetedDrafter,
         curve: AcceptanceCurve,
         cost: ForwardCost,
         probe_calls: int = 4,
@@ -229,7 +231,7 @@ class AutoBudget:
         never won the place back, 305 of 317 iterations at budget 1).
         clock: seconds, for the drafter's own time (tests pass a fake one)."""
         self.drafter = drafter
-        self.needs_hidden = getattr(drafter, "needs_hidden", False)  # SPOT-Sets reads them
+        self.needs_hidden = drafter.needs_hidden  # SPOT-Sets reads them
         self.curve = curve
         self.cost = cost
         self.probe_calls = probe_calls
@@ -256,18 +258,20 @@ class AutoBudget:
         """The budget in use per batch size seen."""
         return {n: self.climbs[self._class(n)].in_use for n in self.sizes}
 
-    def propose(self, inputs):
-        n = len(inputs)
+    def propose(
+        self, inputs: Sequence[DraftInput], noise: StepNoise, batch_size: int
+    ) -> list[DraftTree]:
+        """The wrapped drafter's trees at the budget in use for `batch_size` requests (or the
+        neighbour it is meeting)."""
+        n = batch_size
         if n not in self.sizes:
             self.sizes.append(n)
         k = self._class(n)
         if k not in self.climbs:
             self.climbs[k] = _Climb(choose_budget(self.curve, self.cost, n), [])
         budget = self.climbs[k].next_budget()
-        if self.drafter.budget != budget:  # Spiffy rebuilds its graph on every assignment
-            self.drafter.budget = budget
         start = self.clock()
-        trees = self.drafter.propose(inputs)
+        trees = self.drafter.draft(inputs, noise, budget)
         self._pending = (n, budget, self.clock() - start)
         return trees
 

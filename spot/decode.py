@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Protocol
 
 import torch
 
-from spot import noise
-from spot.commit import SamplingScores, commit_rule, pick_tokens, sampling_scores
+from spot.commit import commit_rule
 from spot.config import ConfidenceName, DecodingConfig
+from spot.drafting import Drafter, DraftInput, StepNoise
 from spot.target import Target, Window
 from spot.tree import DraftTree, Layout, State, advance, verify_walk
 
@@ -52,67 +51,6 @@ class Result:
     stats: RequestStats = field(compare=False)
 
 
-@dataclass(frozen=True)
-class DraftInput:
-    """What a drafter sees of one request: the root to grow a tree from, the stale logits
-    (the target's last exact logits, for the state before the root) and the means to draw a
-    drafted step's tokens with the coupled noise the target will use.
-
-    `noise` holds the batch's Gumbel noise by (request key, step): the commit rule then
-    verifies the tree with the same tensors instead of drawing them again, and the next
-    iteration's tree reuses the steps this one drafted past the accepted path."""
-
-    layout: Layout
-    root: State
-    stale_state: State
-    stale_logits: torch.Tensor  # [B, V] on the target's device
-    stale_hidden: torch.Tensor | None  # [B, H] there, when the drafter has `needs_hidden = True`
-    key: int
-    config: DecodingConfig
-    confidence: ConfidenceName
-
-    noise: dict = field(default_factory=dict, compare=False, repr=False)
-    _drawn: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def gumbel(self, step: int) -> torch.Tensor | None:
-        """Noise g[step] [B, V] of this request, None at T=0; cached."""
-        if self.config.temperature == 0.0:
-            return None
-        return _gumbel(self.noise, self.config.seed, self.key, step, self.stale_logits)
-
-    def noise_step(self, step: int) -> int:
-        """The step whose noise a draw at `step` uses: 0 for every step at T=0, where no noise
-        enters, so that draws are made (and cached) once."""
-        return 0 if self.config.temperature == 0.0 else step
-
-    def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [B] and confidences [B] the commit rule would take from the stale logits
-        at `step` (the target's own draw if its distribution has not moved); cached. Drawn
-        where the logits are, returned on the CPU, where drafters build their trees."""
-        step = self.noise_step(step)
-        if step not in self._drawn:
-            tokens, conf = pick_tokens(self._stale_sampling, self.gumbel(step))
-            self._drawn[step] = (tokens.cpu(), conf.cpu())
-        return self._drawn[step]
-
-    @cached_property
-    def _stale_sampling(self) -> SamplingScores:
-        """The stale logits prepared for sampling once: every drafted step draws from them
-        (T=0.8, [32, 1155], six steps: 0.25 -> 0.13 ms a step)."""
-        c = self.config
-        return sampling_scores(
-            self.stale_logits, c.temperature, c.top_k, c.top_p, self.confidence, self.layout.mask_id
-        )
-
-
-def _gumbel(cache: dict, seed: int, key: int, step: int, like: torch.Tensor) -> torch.Tensor:
-    """noise.gumbel(seed, key, step) of the shape [B, V] of `like` on its device, drawn once
-    per (key, step) of `cache`."""
-    if (key, step) not in cache:
-        cache[key, step] = noise.gumbel(seed, key, step, tuple(like.shape[-2:]), like.device)
-    return cache[key, step]
-
-
 class Trace(Protocol):
     def __call__(
         self,
@@ -132,18 +70,6 @@ class WalkObserver(Protocol):
     def __call__(self, index: int, tree: DraftTree, path: list[int]) -> None:
         """Called after every verification walk: request index, the scored tree, the
         accepted node indices (root first)."""
-        ...
-
-
-class Drafter(Protocol):
-    """Also read when present: `needs_hidden` (the stale logits come with the last hidden
-    states) and `observe_forward(seconds, steps)`, called after every forward that verified
-    a proposal, with the seconds the verification took (the target's forward and the commit
-    rule; the commit rule reads its result on the CPU, so a GPU forward is waited for) and the
-    mean steps the proposal's requests advanced — what `drafter.budget: auto` learns from."""
-
-    def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
-        """One tree per input, rooted at input.root (node 0)."""
         ...
 
 
@@ -171,21 +97,18 @@ def generate(
     """Decode a batch of requests; finished requests leave the batch."""
     start = time.perf_counter()
     confidence = config.confidence or target.confidence
-    hidden = getattr(drafter, "needs_hidden", False) or getattr(trace, "needs_hidden", False)
-    observe_forward = getattr(drafter, "observe_forward", None)
+    hidden = (drafter is not None and drafter.needs_hidden) or getattr(trace, "needs_hidden", False)
     results: list[Result | None] = [None] * len(requests)
     active = [_open(target, i, r, config) for i, r in enumerate(requests)]
-    step_noise: dict = {}  # (request key, step) -> Gumbel noise, drafter and commit rule
+    noise = StepNoise(config.seed, config.temperature)  # drafter and commit rule share it
     while active:
         active = [a for a in active if not _finish_if_done(a, results, start)]
         if not active:
             break
-        trees, drafted = _propose(drafter, active, requests, config, confidence, step_noise)
+        trees, drafted = _propose(drafter, active, requests, config, confidence, noise)
         verify_start = time.perf_counter()
         scores = _score(target, active, trees, config.block_length, hidden)
-        successors = _successors(
-            active, trees, scores, requests, config, target, confidence, step_noise
-        )
+        successors = _successors(active, trees, scores, requests, config, target, confidence, noise)
         verify_seconds = time.perf_counter() - verify_start
         drafted_steps, asked = 0, set(drafted)
         offset = 0
@@ -211,23 +134,10 @@ def generate(
             a.stale_hidden = None if scores.hidden is None else scores.hidden[offset + last]
             a.root = _rebase(a, successors[offset + last])
             offset += nodes
-        if observe_forward is not None and drafted:
-            observe_forward(verify_seconds, drafted_steps / len(drafted))
-        step_noise = _noise_ahead(step_noise, active, requests)
+        if drafter is not None and drafted:
+            drafter.observe_forward(verify_seconds, drafted_steps / len(drafted))
+        noise.keep_ahead((requests[a.index].key, a.root.step) for a in active if not a.root.done)
     return results  # type: ignore[return-value]
-
-
-def _noise_ahead(step_noise: dict, active: list[_Active], requests: Sequence[Request]) -> dict:
-    """The noise of steps not behind the root of a request still decoding: a tree drafts
-    from its root's step on, so the steps it drafted past the accepted path come back in the
-    next tree (at T=0.8 on sdar-tiny, a Gumbel draw over the vocabulary costs ~0.2 ms a step)
-    and no other step does."""
-    first: dict[int, int] = {}  # request key -> its earliest root step
-    for a in active:
-        if not a.root.done:
-            key = requests[a.index].key
-            first[key] = min(a.root.step, first.get(key, a.root.step))
-    return {(k, s): g for (k, s), g in step_noise.items() if s >= first.get(k, s + 1)}
 
 
 def _open(target: Target, index: int, request: Request, config: DecodingConfig) -> _Active:
@@ -285,7 +195,7 @@ def _propose(
     requests: Sequence[Request],
     config: DecodingConfig,
     confidence: ConfidenceName,
-    step_noise: dict,
+    noise: StepNoise,
 ) -> tuple[list[DraftTree], list[int]]:
     """Every request's tree, and the indices of those the drafter proposed for (every request
     past its first forward: the others have no stale logits yet)."""
@@ -303,12 +213,11 @@ def _propose(
             requests[active[i].index].key,
             config,
             confidence,
-            step_noise,
         )
         for i in drafting
     ]
     t0 = time.perf_counter()
-    proposed = drafter.propose(inputs)
+    proposed = drafter.propose(inputs, noise, len(active))
     share = (time.perf_counter() - t0) / len(drafting)
     for i, tree in zip(drafting, proposed):
         if not tree.nodes[0].same_as(active[i].root):
@@ -343,7 +252,7 @@ def _successors(
     config: DecodingConfig,
     target: Target,
     confidence: ConfidenceName,
-    step_noise: dict,
+    noise: StepNoise,
 ) -> list[State]:
     """Every scored node's exact next state, in one batched commit-rule call."""
     b = config.block_length
@@ -355,10 +264,7 @@ def _successors(
     gumbel = None
     if config.temperature > 0.0:
         like = scores.logits[0]  # [B, V]
-        gumbel = [
-            _gumbel(step_noise, config.seed, requests[a.index].key, node.step, like)
-            for a, node in owners
-        ]
+        gumbel = [noise.gumbel(requests[a.index].key, node.step, like) for a, node in owners]
     opening = torch.tensor([a.layout.opening_commit and node.block_step == 0 for a, node in owners])
     next_blocks = commit_rule(
         blocks, scores.logits, gumbel, k, config, target.mask_id, confidence, opening

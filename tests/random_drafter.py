@@ -13,21 +13,23 @@ from collections.abc import Sequence
 import torch
 
 from spot.commit import commit_rule
-from spot.decode import DraftInput
+from spot.drafting import Drafter, DraftInput, StepNoise
 from spot.noise import step_key
 from spot.tree import DraftTree, State, advance
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     def __init__(self, seed: int = 0, max_nodes: int = 8, guess_rate: float = 0.7):
         self.seed = seed
         self.max_nodes = max_nodes
         self.guess_rate = guess_rate
 
-    def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
-        return [self._tree(inp) for inp in inputs]
+    def propose(
+        self, inputs: Sequence[DraftInput], noise: StepNoise, batch_size: int
+    ) -> list[DraftTree]:
+        return [self._tree(inp, noise) for inp in inputs]
 
-    def _tree(self, inp: DraftInput) -> DraftTree:
+    def _tree(self, inp: DraftInput, noise: StepNoise) -> DraftTree:
         g = torch.Generator().manual_seed(step_key(self.seed, inp.key, inp.root.step))
         layout = inp.layout
         b = layout.block_length
@@ -44,7 +46,7 @@ class RandomDrafter:
             same_block = node.block_start(b) == inp.stale_state.block_start(b)
             if same_block and float(torch.rand((), generator=g)) < self.guess_rate:
                 k = torch.tensor([layout.commit_count(node.block_start(b), node.block_step)])
-                gumbel = inp.gumbel(node.step)
+                gumbel = noise.gumbel(inp.key, node.step, inp.stale_logits)
                 next_block = commit_rule(
                     block[None],
                     inp.stale_logits[None],

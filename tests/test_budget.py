@@ -14,6 +14,7 @@ from spot.budget import (
 )
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
+from spot.drafting import BudgetedDrafter
 from spot.tree import DraftTree, State
 from tests.random_drafter import RandomDrafter
 from tests.toy import ToyTarget
@@ -49,17 +50,18 @@ def test_measured_cost_on_a_target_and_auto_budget():
     cost = measure_forward_cost(target, block_length=4, prefix_length=8, states=[1, 2, 4])
     assert len(cost.seconds) == 3 and all(s > 0 for s in cost.seconds)
 
-    class Recorder:
+    class Recorder(BudgetedDrafter):
         budget = 99
 
-        def propose(self, inputs):
-            return [self.budget]
+        def draft(self, inputs, noise, budget):
+            return [budget]
 
     curve = AcceptanceCurve((0, 1, 3, 7), (1.0, 1.8, 2.6, 3.2))
     auto = AutoBudget(Recorder(), curve, ForwardCost((1, 64), (1.0, 1.0)))
-    assert auto.propose([None]) == [7]
+    assert auto.propose([None], None, 1) == [7]
     auto = AutoBudget(Recorder(), curve, ForwardCost((1, 64), (1.0, 64.0)))
-    assert auto.propose([None, None]) == [0]
+    assert auto.propose([None, None], None, 2) == [0]
+    assert auto.drafter.budget == 99  # chosen per call, never written into the drafter
 
 
 class FakeClock:
@@ -70,7 +72,7 @@ class FakeClock:
         return self.now
 
 
-class TimedDrafter:
+class TimedDrafter(BudgetedDrafter):
     """Proposes `budget` as its tree and spends `seconds_per_node` of the fake clock per node
     and request, and `seconds_per_call` per request whenever it drafts (a model run once per
     round, as SPOT's)."""
@@ -84,12 +86,12 @@ class TimedDrafter:
         self.seconds_per_node = seconds_per_node
         self.seconds_per_call = seconds_per_call
 
-    def propose(self, inputs):
-        per_request = self.seconds_per_node * self.budget
-        if self.budget:
+    def draft(self, inputs, noise, budget):
+        per_request = self.seconds_per_node * budget
+        if budget:
             per_request += self.seconds_per_call
         self.clock.now += per_request * len(inputs)
-        return [self.budget] * len(inputs)
+        return [budget] * len(inputs)
 
 
 def iterate(auto: AutoBudget, verification, n: int = 1, times: int = 1, steps=None) -> list[int]:
@@ -97,7 +99,7 @@ def iterate(auto: AutoBudget, verification, n: int = 1, times: int = 1, steps=No
     states takes verification(states) seconds and advances steps(D) (the curve's by default)."""
     chosen = []
     for _ in range(times):
-        [budget, *_] = auto.propose([None] * n)
+        [budget, *_] = auto.propose([None] * n, None, n)
         chosen.append(budget)
         advanced = auto.steps[budget] if steps is None else steps(budget)
         auto.observe_forward(verification(n * (budget + 1)), advanced)

@@ -7,6 +7,7 @@ import torch
 
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
+from spot.drafting import Drafter
 from spot.noise import request_key
 from spot.tree import DraftTree, advance
 from tests.random_drafter import RandomDrafter
@@ -25,7 +26,7 @@ def tokens(results):
     return [r.tokens.tolist() for r in results]
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the target's own future as a chain (read from a recorded draft-free run):
     every drafted node must be accepted."""
 
@@ -33,7 +34,7 @@ class OracleDrafter:
         self.next_blocks = next_blocks  # key -> step -> block produced from that step's state
         self.depth = depth
 
-    def propose(self, inputs):
+    def propose(self, inputs, noise, batch_size):
         trees = []
         for inp in inputs:
             nodes, cur = [inp.root], inp.root
@@ -124,11 +125,14 @@ def test_noise_of_steps_ahead_serves_the_next_tree_and_steps_behind_are_dropped(
     requests = make_requests([5, 9])
     seen: dict[int, list[tuple[int, dict]]] = {}
 
-    class LookAhead:
-        def propose(self, inputs):
+    class LookAhead(Drafter):
+        def propose(self, inputs, noise, batch_size):
             for inp in inputs:
-                assert all(s >= inp.root.step for k, s in inp.noise if k == inp.key)
-                ahead = {s: inp.gumbel(s) for s in range(inp.root.step, inp.root.step + 3)}
+                assert all(s >= inp.root.step for s in noise.steps(inp.key))
+                ahead = {
+                    s: noise.gumbel(inp.key, s, inp.stale_logits)
+                    for s in range(inp.root.step, inp.root.step + 3)
+                }
                 seen.setdefault(inp.key, []).append((inp.root.step, ahead))
             return [DraftTree.single(inp.root) for inp in inputs]
 

@@ -16,6 +16,7 @@ from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter
+from spot.drafting import Drafter, StepNoise
 from spot.models.drafter_files import acceptance_curve, load_drafter
 
 
@@ -33,21 +34,22 @@ def sdar_tiny():
     return target, encode(tokenizer, corpus_prompts("heldout", 2))
 
 
-class _Recording:
-    """Passes proposals to a drafter and keeps a fresh copy of every input."""
+class _Recording(Drafter):
+    """Passes proposals to a drafter and keeps every input."""
 
     def __init__(self, drafter):
         self.drafter = drafter
-        self.needs_hidden = getattr(drafter, "needs_hidden", False)
+        self.needs_hidden = drafter.needs_hidden
         self.inputs = []
 
-    def propose(self, inputs):
-        self.inputs.extend(_fresh(i) for i in inputs)
-        return self.drafter.propose(inputs)
+    def propose(self, inputs, noise, batch_size):
+        self.inputs.extend(inputs)
+        return self.drafter.propose(inputs, noise, batch_size)
 
 
-def _fresh(inp, **moved):
-    return dataclasses.replace(inp, noise={}, _drawn={}, **moved)
+def _alone(drafter, inp):
+    """The drafter's tree for one input, with noise of its own (drawn where its logits are)."""
+    return drafter.propose([inp], StepNoise(inp.config.seed, inp.config.temperature), 1)[0]
 
 
 @pytest.mark.parametrize(
@@ -68,11 +70,11 @@ def test_trees_do_not_depend_on_where_the_stale_tensors_live(
         generate(target, [request], config, drafter=recording)
     grown = 0
     for inp in recording.inputs[:8]:
-        on_cpu = drafter.propose([_fresh(inp)])[0]
+        on_cpu = _alone(drafter, inp)
         hidden = None if inp.stale_hidden is None else inp.stale_hidden.to(device)
-        elsewhere = drafter.propose(
-            [_fresh(inp, stale_logits=inp.stale_logits.to(device), stale_hidden=hidden)]
-        )[0]
+        logits = inp.stale_logits.to(device)
+        moved = dataclasses.replace(inp, stale_logits=logits, stale_hidden=hidden)
+        elsewhere = _alone(drafter, moved)
         assert elsewhere.parent == on_cpu.parent
         assert all(a.same_as(b) for a, b in zip(elsewhere.nodes, on_cpu.nodes, strict=True))
         grown += len(on_cpu.nodes) > 1

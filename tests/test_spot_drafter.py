@@ -22,6 +22,7 @@ from spot.drafters.training import (
     train_order_model,
 )
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
+from spot.drafting import DraftInput, StepNoise
 from spot.noise import request_key
 from tests.toy import ToyTarget
 
@@ -142,11 +143,16 @@ def test_spiffy_graph_calibrates_and_changes_nothing(tmp_path, temperature):
         assert all(r.stats.tree_nodes <= limit * r.stats.nfe for r in drafted)
 
 
+def _one_tree(drafter, inp):
+    """The drafter's tree for one hand-built input, with noise of its own."""
+    noise = StepNoise(inp.config.seed, inp.config.temperature)
+    return drafter.propose([inp], noise, 1)[0]
+
+
 def _hand_built_input(stale_tops, rest=-5.0):
     """A 4-position block whose stale forward saw everything masked and whose root has since
     committed position 3; stale_tops: the stale logits of tokens 3, 4, 5, 6 at positions
     0-3 (every other token at `rest`)."""
-    from spot.decode import DraftInput
     from spot.tree import Layout, State
 
     layout = Layout.for_prompt(4, 4, 4, 4, False, 11, (10,))
@@ -162,7 +168,7 @@ def test_spiffy_prefers_the_graph_paths_of_a_hand_built_case():
     # root with 3 masked positions whose stale confidences rank 2 > 0 > 1
     inp = _hand_built_input([2.0, 1.0, 3.0, 4.0])
     graph = DraftGraph((((0, 0),), ((1, 0),), ((0, 0), (0, 0))), (5, 3, 2), {})
-    tree = SpiffyDrafter(graph).propose([inp])[0]
+    tree = _one_tree(SpiffyDrafter(graph), inp)
     assert [n.block(4).tolist() for n in tree.nodes] == [
         [11, 11, 11, 6],
         [11, 11, 5, 6],  # rank 0: position 2, its top token
@@ -190,7 +196,7 @@ def test_spot_ranks_a_whole_tree_from_one_evaluation_of_the_root():
     # root: positions 0-2 masked; scores rank 2 > 0 > 1; stale tokens 3, 4, 5 near-certain
     inp = _hand_built_input([9.0, 9.0, 9.0, 9.0], rest=-9.0)
     model = _FixedOrder([1.0, 0.0, 2.0, 5.0])
-    tree = SpotDrafter(model, budget=4, branching=2).propose([inp])[0]
+    tree = _one_tree(SpotDrafter(model, budget=4, branching=2), inp)
     # log-probabilities renormalised over what is left: position 2 first (-0.41), then 0
     # (-0.31 more, as 1 - log(e + 1)), then 1 (certain, 0 more): -0.72 in all, ahead of the
     # root's second choice, position 0 (-1.41)
@@ -209,9 +215,9 @@ def test_drafted_tokens_at_zero_temperature_are_the_commit_rules_never_the_mask(
     # the mask token (11) tops position 0's stale logits: the rule takes the runner-up, token 3
     inp = _hand_built_input([9.0, 9.0, 9.0, 9.0], rest=-9.0)
     inp.stale_logits[0, 11] = 12.0
-    tokens, _ = inp.draw(inp.root.step)
+    tokens, _ = StepNoise(inp.config.seed, 0.0).draw(inp, inp.root.step)
     assert tokens.tolist() == [3, 4, 5, 6]
-    tree = SpotDrafter(_FixedOrder([2.0, 1.0, 0.0, 5.0]), budget=3, branching=1).propose([inp])[0]
+    tree = _one_tree(SpotDrafter(_FixedOrder([2.0, 1.0, 0.0, 5.0]), budget=3, branching=1), inp)
     assert [n.block(4).tolist() for n in tree.nodes] == [
         [11, 11, 11, 6],
         [3, 11, 11, 6],
@@ -221,7 +227,6 @@ def test_drafted_tokens_at_zero_temperature_are_the_commit_rules_never_the_mask(
 
 
 def _threshold_input(root_block, stale_logits, threshold):
-    from spot.decode import DraftInput
     from spot.tree import Layout, State
 
     layout = Layout.for_prompt(4, 4, 4, 4, False, 11, (10,))
@@ -238,7 +243,7 @@ def test_threshold_spiffy_drafts_the_stale_thresholded_set_and_its_resizings():
     inp = _threshold_input([11, 11, 11, 11], logits, threshold=0.9)
     paths = (((0, 0),), ((1, 0),), ((-1, 0),), ((0, 0), (0, 0)), ((-2, 0),))
     graph = DraftGraph(paths, (9, 5, 4, 3, 1), {"rule": "threshold"})
-    tree = SpiffyDrafter(graph).propose([inp])[0]
+    tree = _one_tree(SpiffyDrafter(graph), inp)
     assert [n.block(4).tolist() for n in tree.nodes] == [
         [11, 11, 11, 11],
         [3, 11, 5, 11],  # the thresholded set {0, 2}
@@ -248,7 +253,7 @@ def test_threshold_spiffy_drafts_the_stale_thresholded_set_and_its_resizings():
     ]  # (-2, 0) would commit nothing: not a node
     assert tree.parent == (-1, 0, 0, 0, 1)
     with pytest.raises(ValueError, match="calibrated for the static rule"):
-        SpiffyDrafter(DraftGraph(paths[:1], (1,), {"rule": "static"})).propose([inp])
+        _one_tree(SpiffyDrafter(DraftGraph(paths[:1], (1,), {"rule": "static"})), inp)
 
 
 def test_threshold_spiffy_calibration_of_a_hand_written_trajectory():
@@ -373,9 +378,9 @@ def test_spiffy_budget_takes_the_most_frequent_paths_and_predicts_its_acceptance
     paths = (((0, 0),), ((1, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
     graph = DraftGraph(paths, (80, 10, 60, 30), {"records": 100, "rule": "static"})
     drafter = SpiffyDrafter(graph, budget=2)
-    assert drafter.graph.paths == (((0, 0),), ((0, 0), (0, 0)))
-    drafter.budget = 3
-    assert drafter.graph.paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
+    assert drafter.graph(drafter.budget).paths == (((0, 0),), ((0, 0), (0, 0)))
+    assert drafter.graph(3).paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
+    assert drafter.budget == 2 and SpiffyDrafter(graph, budget=9).budget == 4
     curve = graph.acceptance_curve([0, 1, 2, 3, 4])
     assert curve.steps_per_forward == (1.0, 1.8, 2.4, 2.7, 2.8)
 

@@ -27,8 +27,8 @@ import torch
 
 from spot.budget import AcceptanceCurve
 from spot.commit import confidence_order, select_commits
-from spot.decode import DraftInput
 from spot.drafters.trajectory import Trajectories
+from spot.drafting import BudgetedDrafter, DraftInput, StepNoise
 from spot.tree import DraftTree, State, advance
 
 Formula = tuple[int, int]  # (position rank, token rank)
@@ -141,31 +141,31 @@ def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph
     return DraftGraph(tuple(p for p, _ in ranked), tuple(c for _, c in ranked), meta)
 
 
-class SpiffyDrafter:
+class SpiffyDrafter(BudgetedDrafter):
     """Applies a calibrated draft graph to each root. `budget` drafts its most frequent
     paths (all of them when None); `keep` enables dynamic pruning."""
 
     def __init__(self, graph: DraftGraph, budget: int | None = None, keep: int | None = None):
         self.calibrated = graph
-        self.budget = len(graph.paths) if budget is None else budget
+        self.budget = len(graph.paths) if budget is None else min(budget, len(graph.paths))
         self.keep = keep
+        self._graphs: dict[int, DraftGraph] = {}  # budget -> its most frequent paths
 
-    @property
-    def budget(self) -> int:
-        return len(self.graph.paths)
+    def graph(self, budget: int) -> DraftGraph:
+        """The calibrated graph's `budget` most frequent paths (made once per budget)."""
+        if budget not in self._graphs:
+            self._graphs[budget] = self.calibrated.most_frequent(budget)
+        return self._graphs[budget]
 
-    @budget.setter
-    def budget(self, budget: int) -> None:
-        self.graph = self.calibrated.most_frequent(budget)
-
-    def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
-        return [self._tree(inp) for inp in inputs]
+    def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
+        graph = self.graph(budget)
+        return [self._tree(inp, noise, graph) for inp in inputs]
 
     @property
     def rule(self) -> str:
-        return self.graph.meta.get("rule", "static")
+        return self.calibrated.meta.get("rule", "static")
 
-    def _tree(self, inp: DraftInput) -> DraftTree:
+    def _tree(self, inp: DraftInput, noise: StepNoise, graph: DraftGraph) -> DraftTree:
         layout = inp.layout
         b = layout.block_length
         root = inp.root
@@ -187,13 +187,13 @@ class SpiffyDrafter:
         parent = [-1]
         log_prob = [0.0]
         drafted = [0]  # tokens drafted from the root
-        for path in self.graph.paths:
+        for path in graph.paths:
             up = index.get(path[:-1])
             if up is None or nodes[up].done or nodes[up].block_start(b) != root.block_start(b):
                 continue
             node = nodes[up]
             block = node.block(b)
-            tokens, conf = inp.draw(node.step)
+            tokens, conf = noise.draw(inp, node.step)
             i, j = path[-1]
             ranks = _position_ranks(conf, block == layout.mask_id)
             if self.rule == "static":

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from spot.commit import confidence_order
-from spot.decode import DraftInput
 from spot.drafters.order_model import (
     OrderModel,
     noisy_confidence,
     order_features,
     stale_top,
 )
+from spot.drafting import BudgetedDrafter, DraftInput, StepNoise
 from spot.tree import DraftTree, State, advance
 
 
@@ -36,6 +36,7 @@ class _Growing:
     """One request's tree while it grows."""
 
     inp: DraftInput
+    noise: StepNoise  # the decode run's, shared with the commit rule
     top_logprobs: torch.Tensor  # [B, K]
     top_ids: torch.Tensor  # [B, K]
     stale_masked: torch.Tensor  # [B]
@@ -54,7 +55,7 @@ class _Growing:
 
         At T=0 they are read off the stale top-k, which holds the argmax and its
         log-probability already (a second pass over [B, V] cost ~7% of a SPOT proposal)."""
-        step = self.inp.noise_step(step)
+        step = self.noise.noise_step(step)
         if step not in self.drawn:
             if self.inp.config.temperature == 0.0:
                 # the mask token is never drawn: where it is the top, the runner-up is
@@ -62,18 +63,17 @@ class _Growing:
                 tokens = torch.where(second, self.top_ids[:, 1], self.top_ids[:, 0])
                 log_conf = torch.where(second, self.top_logprobs[:, 1], self.top_logprobs[:, 0])
             else:
-                tokens, conf = self.inp.draw(step)
+                tokens, conf = self.noise.draw(self.inp, step)
                 log_conf = conf.double().clamp_min(1e-30).log()
             self.drawn[step] = (tokens.tolist(), log_conf.tolist())
         return self.drawn[step]
 
 
-class BestFirstDrafter:
+class BestFirstDrafter(BudgetedDrafter):
     """Grows one tree per request, best candidate first; subclasses say which moves (sets of
     positions to commit next, with log-probabilities) a node admits."""
 
     rules: tuple[str, ...] = ()
-    needs_hidden = False
 
     def __init__(
         self, budget: int, per_round: int = 4, branching: int = 4, refresh: int | None = 1
@@ -105,8 +105,8 @@ class BestFirstDrafter:
             heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
 
     @torch.inference_mode()  # not no_grad: ~6-8% less per proposal in dispatch overhead
-    def propose(self, inputs: Sequence[DraftInput]) -> list[DraftTree]:
-        growing: list[_Growing | None] = [self._start(inp) for inp in inputs]
+    def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
+        growing: list[_Growing | None] = [self._start(inp, noise, budget) for inp in inputs]
         frontier = [(g, 0) for g in growing if g is not None]
         while frontier:
             for (g, n), row in zip(frontier, self._evaluate(frontier)):
@@ -118,7 +118,7 @@ class BestFirstDrafter:
                 if g is None:
                     continue
                 fresh = 0  # nodes of this round that need the model
-                while fresh < self.per_round and len(g.nodes) - 1 < self.budget and g.heap:
+                while fresh < self.per_round and len(g.nodes) - 1 < budget and g.heap:
                     node = self._expand(g)
                     if not self._in_stale_block(g, g.nodes[node]):
                         continue
@@ -143,9 +143,9 @@ class BestFirstDrafter:
         b = g.inp.layout.block_length
         return not node.done and node.block_start(b) == g.inp.stale_state.block_start(b)
 
-    def _start(self, inp: DraftInput) -> _Growing | None:
+    def _start(self, inp: DraftInput, noise: StepNoise, budget: int) -> _Growing | None:
         b = inp.layout.block_length
-        if self.budget == 0 or inp.root.done:
+        if budget == 0 or inp.root.done:
             return None
         if inp.root.block_start(b) != inp.stale_state.block_start(b):
             return None  # the stale logits belong to the previous block
@@ -159,7 +159,7 @@ class BestFirstDrafter:
         stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
         root_masked = (inp.root.block(b) == inp.layout.mask_id).tolist()
         return _Growing(
-            inp, top_logprobs, top_ids, stale_masked, [inp.root], [-1], [0.0], [root_masked]
+            inp, noise, top_logprobs, top_ids, stale_masked, [inp.root], [-1], [0.0], [root_masked]
         )
 
     def _node_features(self, g: _Growing, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +169,7 @@ class BestFirstDrafter:
         conf = noisy_confidence(
             g.top_logprobs,
             g.top_ids,
-            g.inp.gumbel(node.step),
+            g.noise.gumbel(inp.key, node.step, inp.stale_logits),
             inp.config.temperature,
             inp.confidence,
         )
@@ -248,7 +248,7 @@ class SpotDrafter(BestFirstDrafter):
         k = max(1, layout.commit_count(node.block_start(b), node.block_step))
         by_conf: list[int] = []
         if k > 1:
-            _, conf = g.inp.draw(node.step)
+            _, conf = g.noise.draw(g.inp, node.step)
             mask = torch.tensor(masked)
             by_conf = confidence_order(conf[None], mask[None])[0, : len(live)].tolist()
         moves = []

@@ -144,7 +144,7 @@ class SpotSetsDrafter(BestFirstDrafter):
             feats.append(f)
             masks.append(m)
             hidden.append(g.inp.stale_hidden.cpu()[None].float())  # the model is on the CPU
-            tokens, _ = g.inp.draw(g.nodes[n].step)
+            tokens, _ = g.noise.draw(g.inp, g.nodes[n].step)
             token_emb.append(self.embed(tokens).cpu()[None].float())
         threshold = frontier[0][0].inp.config.threshold
         return self.model(

@@ -1,0 +1,158 @@
+"""What a drafter sees and shares with the decode loop: one value per request to draft for
+(`DraftInput`), the coupled noise of the decode run (`StepNoise`, a cache passed explicitly)
+and the interface every drafter implements (`Drafter`).
+
+Drafters import this module, not the decode loop; the loop knows drafters only through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spot import noise
+from spot.commit import SamplingScores, pick_tokens, sampling_scores
+from spot.config import ConfidenceName, DecodingConfig
+from spot.tree import DraftTree, Layout, State
+
+
+@dataclass(frozen=True, eq=False)
+class DraftInput:
+    """What a drafter sees of one request in one iteration: the root to grow a tree from and
+    the stale logits (the target's last exact logits, for the state before the root).
+
+    A value: nothing in it changes. Compared by identity (it holds tensors), which is how
+    `StepNoise` keeps the draws made from its stale logits."""
+
+    layout: Layout
+    root: State
+    stale_state: State
+    stale_logits: torch.Tensor  # [B, V] on the target's device
+    stale_hidden: torch.Tensor | None  # [B, H] there, when the drafter `needs_hidden`
+    key: int  # the request's coupled-noise key
+    config: DecodingConfig
+    confidence: ConfidenceName
+
+
+class StepNoise:
+    """The coupled noise one decode run shares between its drafter and its commit rule.
+
+    Made by the decode loop and passed explicitly to `Drafter.propose` and to the commit rule,
+    so that the rule verifies a tree with the very tensors its tokens were drafted with. It
+    is a cache, and the one mutable thing a drafter is handed:
+    - Gumbel noise g[t] [B, V] per (request key, step), drawn once (at T=0.8 on sdar-tiny, a
+      draw over the vocabulary costs about 0.2 ms a step) and kept while the step is not
+      behind its request's root: a tree drafts from its root's step on, so the steps one tree
+      drafted past its accepted path come back in the next tree;
+    - per `DraftInput`, the tokens and confidences drawn from its stale logits at each step,
+      kept for the iteration (the next forward brings new stale logits).
+    `keep_ahead` moves it on to the next iteration."""
+
+    def __init__(self, seed: int, temperature: float):
+        self.seed = seed
+        self.temperature = temperature
+        self._gumbel: dict[tuple[int, int], torch.Tensor] = {}  # (key, step) -> [B, V]
+        self._draws: dict[DraftInput, _Draws] = {}
+
+    def gumbel(self, key: int, step: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Noise g[step] of request `key`, of the shape [B, V] of `like`'s last two dims and
+        on its device; None at T=0, where no noise enters."""
+        if self.temperature == 0.0:
+            return None
+        if (key, step) not in self._gumbel:
+            shape = tuple(like.shape[-2:])
+            self._gumbel[key, step] = noise.gumbel(self.seed, key, step, shape, like.device)
+        return self._gumbel[key, step]
+
+    def noise_step(self, step: int) -> int:
+        """The step whose noise a draw at `step` uses: 0 for every step at T=0, where no noise
+        enters, so that draws are made (and kept) once."""
+        return 0 if self.temperature == 0.0 else step
+
+    def draw(self, inp: DraftInput, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B] and confidences [B] the commit rule would take from `inp`'s stale logits
+        at `step` (the target's own draw if its distribution has not moved). Drawn where the
+        logits are, returned on the CPU, where drafters build their trees."""
+        draws = self._draws.get(inp)
+        if draws is None:
+            c = inp.config
+            prepared = sampling_scores(
+                inp.stale_logits,
+                c.temperature,
+                c.top_k,
+                c.top_p,
+                inp.confidence,
+                inp.layout.mask_id,
+            )
+            draws = self._draws[inp] = _Draws(prepared, {})
+        step = self.noise_step(step)
+        if step not in draws.by_step:
+            tokens, conf = pick_tokens(draws.prepared, self.gumbel(inp.key, step, inp.stale_logits))
+            draws.by_step[step] = (tokens.cpu(), conf.cpu())
+        return draws.by_step[step]
+
+    def steps(self, key: int) -> list[int]:
+        """The steps of request `key` whose Gumbel noise is held, in order."""
+        return sorted(s for k, s in self._gumbel if k == key)
+
+    def keep_ahead(self, roots: Iterable[tuple[int, int]]) -> None:
+        """Move on to the next iteration, whose roots are `roots` ((request key, step) of
+        every request still decoding): keep the noise of steps not behind a root, forget the
+        rest and every draw from this iteration's stale logits."""
+        first: dict[int, int] = {}  # request key -> its earliest root step
+        for key, step in roots:
+            first[key] = min(step, first.get(key, step))
+        self._gumbel = {(k, s): g for (k, s), g in self._gumbel.items() if s >= first.get(k, s + 1)}
+        self._draws.clear()
+
+
+@dataclass
+class _Draws:
+    """One input's stale logits prepared for sampling once (every drafted step draws from
+    them: T=0.8, [32, 1155], six steps: 0.25 -> 0.13 ms a step) and its draws by step."""
+
+    prepared: SamplingScores
+    by_step: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Drafter:
+    """What the decode loop asks of a drafter; subclass it (the defaults below are the
+    optional members).
+
+    needs_hidden: the stale logits come with the target's last hidden states
+      (`DraftInput.stale_hidden`); SPOT-Sets reads them."""
+
+    needs_hidden: bool = False
+
+    def propose(
+        self, inputs: Sequence[DraftInput], noise: StepNoise, batch_size: int
+    ) -> list[DraftTree]:
+        """One tree per input, rooted at input.root (node 0). noise: the run's coupled noise,
+        which the commit rule will verify the trees with; batch_size: the requests of the
+        forward that verifies them (the inputs, and any with no stale logits yet)."""
+        raise NotImplementedError
+
+    def observe_forward(self, seconds: float, steps: float) -> None:
+        """Called after every forward that verified a proposal, with the seconds the
+        verification took (the target's forward and the commit rule, which reads its result on
+        the CPU, so a GPU forward is waited for) and the mean steps the proposal's requests
+        advanced: what `drafter.budget: auto` learns from. Nothing by default."""
+
+
+class BudgetedDrafter(Drafter):
+    """A drafter whose tree size is a node budget, given per call (`draft`), so that
+    `budget.AutoBudget` can choose it each iteration without changing the drafter; `propose`
+    drafts with the drafter's own `budget`."""
+
+    budget: int
+
+    def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
+        """One tree per input with at most `budget` drafted nodes (0: the root alone)."""
+        raise NotImplementedError
+
+    def propose(
+        self, inputs: Sequence[DraftInput], noise: StepNoise, batch_size: int
+    ) -> list[DraftTree]:
+        return self.draft(inputs, noise, self.budget)
