@@ -118,7 +118,7 @@ def parse_curve(text: str | None, drafter: str | None) -> dict[int, float]:
         pairs = (item.split(":") for item in text.split(","))
         return {int(n): float(s) for n, s in pairs}
     if drafter:
-        from spot.models.drafter_files import read_header
+        from spot.drafters.files import read_header
 
         curve = read_header(drafter)["acceptance_curve"]
         return {b + 1: s for b, s in zip(curve["budgets"], curve["steps_per_forward"])}

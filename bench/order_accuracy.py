@@ -18,10 +18,10 @@ import math
 
 import torch
 
+from spot.drafters.files import load_order_model
 from spot.drafters.order_model import DOUBT_SCALE
 from spot.drafters.training import build_samples
 from spot.drafters.trajectory import Trajectories
-from spot.models.drafter_files import load_order_model
 
 
 def main() -> None:

@@ -25,11 +25,11 @@ from pipeline.drafter_training import (
     recorded_decoding,
     trained_on,
 )
+from spot.drafters.files import save_order_model
 from spot.drafters.order_model import OrderModelConfig
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.training import root_samples, train_order_model
 from spot.drafters.trajectory import Trajectories
-from spot.models.drafter_files import save_order_model
 
 
 def size(text: str) -> OrderModelConfig:

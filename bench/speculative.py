@@ -34,9 +34,9 @@ from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.order_model import OrderModel, OrderModelConfig
+from spot.drafters.registry import acceptance_curve, load_drafter
 from spot.drafters.spot import SpotDrafter
 from spot.drafting import Drafter
-from spot.models.drafter_files import acceptance_curve, load_drafter
 from spot.tree import DraftTree, advance
 
 

@@ -22,6 +22,7 @@ from spot.budget import CURVE_BUDGETS, acceptance_curve
 from spot.builtin import resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
+from spot.drafters.files import load_order_model, save_order_model
 from spot.drafters.order_model import OrderModelConfig
 from spot.drafters.spiffy import calibrate
 from spot.drafters.spot import SpotDrafter
@@ -34,7 +35,6 @@ from spot.drafters.training import (
     train_set_model,
 )
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
-from spot.models.drafter_files import load_order_model, save_order_model
 from spot.noise import request_key
 
 

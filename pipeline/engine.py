@@ -59,7 +59,7 @@ def build_drafter(job: Job, target: Target) -> Drafter | None:
     if path is None:
         return None
     from spot.budget import AutoBudget, measure_forward_cost
-    from spot.models.drafter_files import acceptance_curve, load_drafter
+    from spot.drafters.registry import acceptance_curve, load_drafter
 
     if job.drafter.budget != "auto":
         return load_drafter(job.drafter.kind, path, job.drafter.budget, target)

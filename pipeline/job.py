@@ -25,14 +25,9 @@ from pydantic import (
 )
 
 from spot.config import CommitRule, ConfidenceName, DecodingConfig
+from spot.drafters.registry import DRAFTERS, drafter_kind
 
 BUILTIN_PREFIX = "builtin:"
-# which commit rules each drafter kind drafts for
-DRAFTER_RULES = {
-    "spiffy": ("static", "threshold"),
-    "spot": ("static",),
-    "spot-sets": ("threshold", "sdar_dynamic"),
-}
 
 
 class JobError(ValueError):
@@ -92,7 +87,7 @@ class ModelConfig(_Section):
 
 
 class DrafterConfig(_Section):
-    kind: Literal["none", "spiffy", "spot", "spot-sets"] = Field(
+    kind: Literal[("none", *DRAFTERS)] = Field(
         "none",
         description="none decodes draft-free; the others propose trees of future states that "
         "one target forward verifies (same output, fewer forwards).",
@@ -277,15 +272,21 @@ class Job(_Section):
 
     @model_validator(mode="after")
     def _drafter_fits_rule(self) -> Job:
-        kind, rule = self.drafter.kind, self.decoding.rule
-        if kind != "none" and rule not in DRAFTER_RULES[kind]:
-            fits = [k for k, rules in DRAFTER_RULES.items() if rule in rules]
+        """The rules a kind drafts for are its drafter class's (read through the registry)."""
+        if self.drafter.kind == "none":
+            return self
+        kind, rule = drafter_kind(self.drafter.kind), self.decoding.rule
+        if rule not in kind.rules:
+            fits = [k.name for k in DRAFTERS.values() if rule in k.rules]
             raise ValueError(
-                f"drafter.kind: {kind} drafts for the {'/'.join(DRAFTER_RULES[kind])} rule, "
+                f"drafter.kind: {kind.name} drafts for the {'/'.join(kind.rules)} rule, "
                 f"not decoding.rule {rule!r}; use drafter.kind {' or '.join(fits)} (or none)"
             )
-        if kind == "spiffy" and rule == "static" and self.decoding.tokens_per_step != 1:
-            raise ValueError("drafter.kind: spiffy drafts one token per step (tokens_per_step: 1)")
+        one_token = kind.one_token_per_static_step and rule == CommitRule.STATIC
+        if one_token and self.decoding.tokens_per_step != 1:
+            raise ValueError(
+                f"drafter.kind: {kind.name} drafts one token per step (tokens_per_step: 1)"
+            )
         return self
 
     def decoding_config(self) -> DecodingConfig:
@@ -443,7 +444,9 @@ def check_paths(job: Job) -> None:
     try:
         drafter_file = job.drafter_path()
         if drafter_file is not None and "://" not in drafter_file:
-            _check_drafter_file(job.drafter.kind, drafter_file)
+            if not os.path.isfile(drafter_file):
+                raise FileNotFoundError(f"no such file: {drafter_file}")
+            drafter_kind(job.drafter.kind).check_file(drafter_file)
     except (ImportError, OSError, ValueError) as error:
         problems.append(f"drafter.path: {_reason(error)}")
     if model_dir is not None and "://" not in model_dir and job.model.tensor_parallel > 1:
@@ -466,17 +469,6 @@ def check_paths(job: Job) -> None:
         )
     if problems:
         raise JobError(problems)
-
-
-def _check_drafter_file(kind: str, path: str) -> None:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file: {path}")
-    if kind in ("spot", "spot-sets"):
-        from spot.models.drafter_files import read_header
-
-        stored = read_header(path)["kind"]
-        if stored != kind:
-            raise ValueError(f"{path} holds a {stored!r} drafter, not {kind!r}")
 
 
 def _reason(error: Exception) -> str:

@@ -45,7 +45,7 @@ def test_interleaved_rows_keep_each_decoder_apart():
     from spot.builtin import builtin_drafter
     from spot.config import DecodingConfig
     from spot.decode import generate
-    from spot.models.drafter_files import load_drafter
+    from spot.drafters.registry import load_drafter
 
     tokenizer, target = load_model_and_tokenizer("builtin:sdar-tiny")
     requests = encode(tokenizer, corpus_prompts("heldout", 3))

@@ -13,7 +13,7 @@ from spot.budget import AutoBudget, ForwardCost, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
-from spot.models.drafter_files import acceptance_curve, load_drafter
+from spot.drafters.registry import acceptance_curve, load_drafter
 
 TARGETS = ("sdar-tiny", "sdar-nano", "llada-tiny")
 DRAFTERS = (

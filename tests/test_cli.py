@@ -113,8 +113,8 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     checkpoint's tree sharpness chosen by measured acceptance, and a Spiffy graph whose
     acceptance the calibration counts predict."""
     from spot.builtin import builtin_drafter
+    from spot.drafters.files import load_order_model, read_header
     from spot.drafters.spiffy import DraftGraph
-    from spot.models.drafter_files import load_order_model, read_header
 
     runner = CliRunner()
     traj = tmp_path / "nano.pt"

@@ -15,9 +15,9 @@ from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
+from spot.drafters.registry import acceptance_curve, load_drafter
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter
 from spot.drafting import Drafter, StepNoise
-from spot.models.drafter_files import acceptance_curve, load_drafter
 
 
 @pytest.fixture(scope="module")

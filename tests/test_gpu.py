@@ -16,7 +16,7 @@ from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter, resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import generate
-from spot.models.drafter_files import acceptance_curve, load_drafter
+from spot.drafters.registry import acceptance_curve, load_drafter
 from spot.models.loading import load_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

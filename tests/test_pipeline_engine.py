@@ -109,8 +109,8 @@ def test_job_path_of_the_model_is_recorded(engine: Engine):
 def test_a_drafter_changes_the_forwards_not_the_completions(engine: Engine, tmp_path):
     """The engine with a SPOT drafter (an untrained order model: poor guesses, still
     lossless) writes the draft-free completions, verifying more than one state per forward."""
+    from spot.drafters.files import save_order_model
     from spot.drafters.order_model import OrderModel, OrderModelConfig
-    from spot.models.drafter_files import save_order_model
 
     torch.manual_seed(0)
     drafter_file = tmp_path / "spot.safetensors"

@@ -9,6 +9,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from spot.drafters.registry import drafter_kind
+
 PREFIX = "builtin:"
 _KINDS = ("targets", "prompts", "tokenizer", "drafters")
 
@@ -48,19 +50,11 @@ def is_builtin(reference: str) -> bool:
     return reference.startswith(PREFIX)
 
 
-_DRAFTER_SUFFIX = {"spot": "safetensors", "spot-sets": "safetensors", "spiffy": "json"}
-
-
-def drafter_file_name(kind: str, block_length: int, rule: str = "static") -> str:
-    """File name of a bundled drafter: one per kind, block length and commit rule."""
-    rule_part = "" if rule == "static" else f"-{rule}"
-    return f"{kind}-b{block_length}{rule_part}.{_DRAFTER_SUFFIX[kind]}"
-
-
 def builtin_drafter(target: str, kind: str, block_length: int, rule: str = "static") -> Path:
     """The bundled drafter of `kind` for a bundled target, its block length and rule."""
     target = target.removeprefix(PREFIX)
-    path = builtin_root() / "drafters" / target / drafter_file_name(kind, block_length, rule)
+    name = drafter_kind(kind).file_name(block_length, rule)
+    path = builtin_root() / "drafters" / target / name
     if not path.is_file():
         have = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else []
         raise FileNotFoundError(

@@ -145,6 +145,8 @@ class SpiffyDrafter(BudgetedDrafter):
     """Applies a calibrated draft graph to each root. `budget` drafts its most frequent
     paths (all of them when None); `keep` enables dynamic pruning."""
 
+    rules = ("static", "threshold")  # a graph is calibrated for one of them
+
     def __init__(self, graph: DraftGraph, budget: int | None = None, keep: int | None = None):
         self.calibrated = graph
         self.budget = len(graph.paths) if budget is None else min(budget, len(graph.paths))
