@@ -24,10 +24,10 @@ from pydantic import (
     model_validator,
 )
 
+from spot.builtin import builtin_drafter, is_builtin, resolve_reference
 from spot.config import CommitRule, ConfidenceName, DecodingConfig
 from spot.drafters.registry import DRAFTERS, drafter_kind
-
-BUILTIN_PREFIX = "builtin:"
+from spot.models.hub import cached_snapshot, is_hub_id
 
 
 class JobError(ValueError):
@@ -301,8 +301,6 @@ class Job(_Section):
             return resolve_path(self.drafter.path)
         if not is_builtin(self.model.path):
             raise ValueError("required unless the target is bundled (builtin:<name>)")
-        from spot.builtin import builtin_drafter
-
         return str(
             builtin_drafter(
                 self.model.path, self.drafter.kind, self.decoding.block_length, self.decoding.rule
@@ -319,41 +317,21 @@ class Job(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def is_builtin(path: str) -> bool:
-    return path.startswith(BUILTIN_PREFIX)
-
-
 def resolve_path(path: str) -> str:
-    """A local or builtin path as an absolute local path; URIs unchanged.
-
-    builtin:<name> goes through the package's registry of bundled files."""
-    if is_builtin(path):
-        from spot.builtin import resolve_builtin
-
-        return str(resolve_builtin(path[len(BUILTIN_PREFIX) :]))
-    if "://" in path:
+    """A local or builtin path as an absolute local path; URIs unchanged."""
+    if "://" in path and not is_builtin(path):
         return path
-    return os.path.abspath(os.path.expanduser(path))
+    return os.path.abspath(resolve_reference(path))
 
 
 def resolve_model_path(path: str) -> str:
     """A checkpoint directory (builtin, local, or a hub id found in the local Hugging Face
     cache), or the hub id itself when it is not cached: each replica then downloads it."""
     local = resolve_path(path)
-    if is_builtin(path) or os.path.isdir(local) or not _looks_like_hub_id(path):
+    if is_builtin(path) or os.path.isdir(local) or not is_hub_id(path):
         return local
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(repo_id=path, local_files_only=True)
-    except LocalEntryNotFoundError:
-        return path
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
+    cached = cached_snapshot(path)
+    return path if cached is None else str(cached)
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
@@ -432,7 +410,7 @@ def check_paths(job: Job) -> None:
     model_dir = None
     try:
         model_dir = resolve_model_path(job.model.path)
-        if model_dir == job.model.path and _looks_like_hub_id(model_dir):
+        if model_dir == job.model.path and is_hub_id(model_dir):
             model_dir = None  # a hub id to download: nothing local to check
         elif "://" not in model_dir and not Path(model_dir, "config.json").is_file():
             problems.append(

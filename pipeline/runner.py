@@ -30,11 +30,12 @@ from ray.data import ActorPoolStrategy, DataContext
 
 from pipeline.engine import Engine
 from pipeline.inputs import InputPlan, plan_input
-from pipeline.job import Job, is_builtin
+from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
 from pipeline.schema import ID, SAMPLE_INDEX
 from pipeline.stages import AtomicParquetDatasink, expand_rows
 from pipeline.summary import build_summary
+from spot.builtin import is_builtin
 
 Echo = Callable[[str], None]
 

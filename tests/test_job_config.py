@@ -12,8 +12,18 @@ import pytest
 import yaml
 
 from pipeline.inputs import plan_input
-from pipeline.job import JobError, apply_overrides, load_job, parse_job
-from spot.config import DecodingConfig
+from pipeline.job import (
+    DecodingSection,
+    JobError,
+    apply_overrides,
+    load_job,
+    parse_job,
+    resolve_model_path,
+    resolve_path,
+)
+from spot.builtin import resolve_builtin
+from spot.config import CommitRule, DecodingConfig
+from spot.models.hub import is_hub_id
 from tests.pipeline_fixtures import job_dict, make_tiny_sdar, write_prompts
 
 JOBS = sorted((Path(__file__).resolve().parents[1] / "jobs").glob("*.yaml"))
@@ -181,6 +191,28 @@ def test_decoding_section_converts_to_the_core_config(files):
         top_p=0.9,
         seed=1,
     )
+
+
+def test_decoding_defaults_are_the_core_configs():
+    """One set of defaults: a job that names no decoding key decodes with DecodingConfig()'s,
+    and the YAML keeps the rule's plain name."""
+    section = DecodingSection()
+    assert section.to_config() == DecodingConfig()
+    assert section.model_dump(mode="json")["rule"] == "static"
+    assert DecodingSection(rule="sdar_dynamic").rule is CommitRule.SDAR_DYNAMIC
+
+
+def test_paths_builtins_and_hub_ids_resolve_one_way(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_path("builtin:sdar-tiny") == str(resolve_builtin("sdar-tiny"))
+    assert resolve_path("s3://bucket/prompts") == "s3://bucket/prompts"
+    assert resolve_path("in/../p.parquet") == str(tmp_path / "p.parquet")
+    assert is_hub_id("org/model") and not is_hub_id("./org/model")
+    assert not is_hub_id("/abs/model") and not is_hub_id("org/") and not is_hub_id("a/b/c")
+    (tmp_path / "org" / "model").mkdir(parents=True)  # a local directory wins over the hub
+    assert resolve_model_path("org/model") == str(tmp_path / "org" / "model")
+    # a hub id in no local cache stays an id: each replica downloads it
+    assert resolve_model_path("no-such-org/no-such-model") == "no-such-org/no-such-model"
 
 
 def test_input_plan_checks_columns_and_finds_duplicates(files):

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from spot.models import hub
 from spot.models.registry import Decoding, Family, family_for
 from spot.models.target import DiffusionTarget
 from spot.models.transformer import Transformer
@@ -25,7 +26,6 @@ from spot.models.transformer import Transformer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
-_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
 
 @dataclass
@@ -43,11 +43,9 @@ def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
     if path.is_dir():
         return path
     name = str(path_or_hub_id)
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+    if not hub.is_hub_id(name):
         raise FileNotFoundError(f"no checkpoint directory at {name}")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id=name, allow_patterns=_HUB_FILES))
+    return hub.download(name)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
