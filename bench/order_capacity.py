@@ -17,18 +17,11 @@ import argparse
 import time
 from pathlib import Path
 
-from pipeline.drafter_training import (
-    corpus_prompts,
-    encode,
-    load_model_and_tokenizer,
-    measure_acceptance,
-    recorded_decoding,
-    trained_on,
-)
+from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.drafters.files import save_order_model
 from spot.drafters.order_model import OrderModelConfig
+from spot.drafters.recipes import measure_acceptance, recorded_decoding, train_spot, trained_on
 from spot.drafters.spot import SpotDrafter
-from spot.drafters.training import root_samples, train_order_model
 from spot.drafters.trajectory import Trajectories
 
 
@@ -50,20 +43,12 @@ def main() -> None:
     p.add_argument("--out-dir", default="build/order-capacity")
     args = p.parse_args()
     traj = Trajectories.load(args.trajectories)
-    train, held = traj.split(args.heldout)
-    train, validation = train.split(args.heldout)  # as train-drafter: picks the epoch
     tokenizer, target = load_model_and_tokenizer(args.model)
     requests = encode(tokenizer, corpus_prompts("heldout", args.eval_prompts))
     rows = []
     for config in args.sizes:
         t0 = time.perf_counter()
-        model, metrics = train_order_model(
-            root_samples(train, config),
-            root_samples(held, config),
-            config,
-            args.epochs,
-            validation=root_samples(validation, config),
-        )
+        model, metrics = train_spot(traj, args.epochs, args.heldout, "order", config)
         minutes = (time.perf_counter() - t0) / 60
         drafter = SpotDrafter(model, args.budget)
         curve = measure_acceptance(

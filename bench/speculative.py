@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
@@ -37,6 +37,7 @@ from spot.drafters.order_model import OrderModel, OrderModelConfig
 from spot.drafters.registry import acceptance_curve, load_drafter
 from spot.drafters.spot import SpotDrafter
 from spot.drafting import Drafter
+from spot.models.loading import DTYPES
 from spot.tree import DraftTree, advance
 
 
@@ -239,7 +240,7 @@ def main() -> None:
         "multiplied by these (1: the untrained model; larger: more of the budget on its chain)",
     )
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = p.parse_args()
     torch.set_grad_enabled(False)
     for name in args.targets:

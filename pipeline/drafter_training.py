@@ -1,6 +1,7 @@
 """Commands that make drafters for a target: record its own trajectories, train SPOT or
 SPOT-Sets on them, calibrate Spiffy's draft graph; and measure the acceptance curve that
-`drafter.budget: auto` needs.
+`drafter.budget: auto` needs. They parse options, load files and prompts, and run the
+recipes of `spot.drafters.recipes`.
 
     spot-pipeline record-trajectories --model builtin:sdar-tiny --out traj.pt
     spot-pipeline train-drafter --kind spot --trajectories traj.pt --model builtin:sdar-tiny \
@@ -11,125 +12,28 @@ SPOT-Sets on them, calibrate Spiffy's draft graph; and measure the acceptance cu
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from pathlib import Path
+import math
 
 import click
-import torch
 from tqdm import tqdm
 
-from spot.budget import CURVE_BUDGETS, acceptance_curve
-from spot.builtin import resolve_builtin
+from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.config import DecodingConfig
-from spot.decode import Request, generate
 from spot.drafters.files import load_order_model, save_order_model
-from spot.drafters.order_model import OrderModelConfig
+from spot.drafters.recipes import (
+    OBJECTIVES,
+    choose_prior_scale,
+    measure_acceptance,
+    record_trajectories,
+    recorded_decoding,
+    train_spot,
+    train_spot_sets,
+    trained_on,
+)
 from spot.drafters.spiffy import calibrate
 from spot.drafters.spot import SpotDrafter
-from spot.drafters.spot_sets import SetModelConfig, SpotSetsDrafter
-from spot.drafters.training import (
-    adapt_set_model,
-    build_samples,
-    root_samples,
-    train_order_model,
-    train_set_model,
-)
-from spot.drafters.trajectory import Trajectories, TrajectoryRecorder
-from spot.noise import request_key
-
-
-def load_model_and_tokenizer(path: str, dtype: str = "float32"):
-    from pipeline.tokenizer import load_tokenizer
-    from spot.models.loading import load_target
-
-    local = resolve_builtin(path) if path.startswith("builtin:") else Path(path)
-    tokenizer = load_tokenizer(local)
-    return tokenizer, load_target(local, dtype=getattr(torch, dtype))
-
-
-def corpus_prompts(split: str, count: int, seed: int = 0) -> list[dict]:
-    """Prompts of the bundled corpus: the train split, or the shipped held-out file."""
-    from spot_factory.corpus import examples, read_jsonl
-
-    if split == "heldout":
-        return read_jsonl(resolve_builtin("prompts/heldout.jsonl"))[:count]
-    stream = examples(seed, "train")
-    return [{"id": f"train-{i}", "prompt": next(stream).prompt} for i in range(count)]
-
-
-def encode(tokenizer, prompts: Sequence[dict]) -> list[Request]:
-    out = []
-    for p in prompts:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        out.append(Request(torch.tensor(ids), request_key(p["id"])))
-    return out
-
-
-def record(
-    target,
-    requests: Sequence[Request],
-    config: DecodingConfig,
-    batch_size: int,
-    hidden: bool,
-) -> Trajectories:
-    recorder = TrajectoryRecorder([], config.block_length, target.mask_id, record_hidden=hidden)
-    for s in tqdm(range(0, len(requests), batch_size), desc="recording", unit="batch"):
-        batch = requests[s : s + batch_size]
-        recorder.keys = [r.key for r in batch]
-        generate(target, batch, config, trace=recorder)
-    meta = {
-        "steps_per_block": config.steps_per_block,
-        "block_length": config.block_length,
-        "gen_length": config.gen_length,
-        "rule": config.rule.value,
-        "threshold": config.threshold,
-        "temperature": config.temperature,
-        "seed": config.seed,
-        "confidence": config.confidence or target.confidence,
-        "vocab_size": target.vocab_size,
-        "hidden_size": target.hidden_size,
-        "requests": len(requests),
-    }
-    return recorder.result(meta)
-
-
-def trained_on(meta: dict, model_path: str) -> dict:
-    """A drafter header's record of its trajectories and target: the recording's metadata
-    without its per-request list."""
-    return {k: meta[k] for k in meta if k != "requests"} | {"model": model_path}
-
-
-def recorded_decoding(meta: dict) -> DecodingConfig:
-    """The decoding that trajectories (and so the drafters trained on them) were recorded
-    with."""
-    return DecodingConfig(
-        gen_length=int(meta["gen_length"]),
-        block_length=int(meta["block_length"]),
-        rule=meta["rule"],
-        threshold=float(meta["threshold"]),
-        tokens_per_step=int(meta["block_length"]) // int(meta["steps_per_block"]),
-        temperature=float(meta["temperature"]),
-        seed=int(meta["seed"]),
-    )
-
-
-def measure_acceptance(target, drafter, requests, config, batch_size: int) -> dict:
-    """Steps per forward for every budget up to the drafter's, from one run (trees grow
-    best-first, so a smaller budget's tree is a prefix of the larger one)."""
-    walks = []
-    for s in range(0, len(requests), batch_size):
-        generate(
-            target,
-            requests[s : s + batch_size],
-            config,
-            drafter=drafter,
-            on_walk=lambda i, tree, path: walks.append((tree, path)),
-        )
-    budgets = [b for b in CURVE_BUDGETS if b <= drafter.budget]
-    return acceptance_curve(walks, budgets).to_dict()
+from spot.drafters.spot_sets import SpotSetsDrafter
+from spot.drafters.trajectory import Trajectories
 
 
 def decoding_options(f):
@@ -177,7 +81,11 @@ def record_command(model_path, out, prompts, batch_size, hidden, **kw):
     config = _config(kw)
     tokenizer, target = load_model_and_tokenizer(model_path)
     requests = encode(tokenizer, corpus_prompts("train", prompts, kw["seed"]))
-    traj = record(target, requests, config, batch_size, hidden)
+    batches = math.ceil(len(requests) / batch_size)
+    with tqdm(total=batches, desc="recording", unit="batch") as bar:
+        traj = record_trajectories(
+            target, requests, config, batch_size, hidden, on_batch=lambda: bar.update(1)
+        )
     traj.meta["model"] = model_path
     traj.save(out)
     click.echo(f"{traj.segment.numel()} transitions of {len(requests)} requests -> {out}")
@@ -201,7 +109,7 @@ def record_command(model_path, out, prompts, batch_size, hidden, **kw):
 )
 @click.option(
     "--objective",
-    type=click.Choice(["next", "order"]),
+    type=click.Choice(sorted(OBJECTIVES)),
     default="next",
     show_default=True,
     help="spot only: `next`, the next commit from hypotheses 1-8 steps past each stale "
@@ -228,8 +136,6 @@ def train_command(
     traj = Trajectories.load(trajectories)
     meta = traj.meta
     tokenizer, target = load_model_and_tokenizer(model_path)
-    train, held = traj.split(heldout)
-    train, validation = train.split(heldout)  # picks the epoch; `held` only reports
     bar = tqdm(desc=f"training {kind}", unit="step")
 
     def progress(step, total, loss):
@@ -238,39 +144,17 @@ def train_command(
         bar.set_postfix(loss=f"{loss:.3f}")
 
     if kind == "spot":
-        cfg = OrderModelConfig()
-        samples = {"next": build_samples, "order": root_samples}[objective]
-        model, metrics = train_order_model(
-            samples(train, cfg),
-            samples(held, cfg),
-            cfg,
-            epochs,
-            progress=progress,
-            validation=samples(validation, cfg),
-        )
-        metrics["objective"] = objective
+        model, metrics = train_spot(traj, epochs, heldout, objective, progress=progress)
         drafter = SpotDrafter(model, budget)
     else:
         if traj.hidden is None:
             raise click.UsageError("SPOT-Sets needs trajectories recorded with --hidden")
-        cfg = SetModelConfig(target_hidden_size=int(meta["hidden_size"]))
-        start = None
+        source = None
         if adapt_from is not None:
             source, source_header = load_order_model(adapt_from, "spot-sets")
-            start = adapt_set_model(source, int(meta["hidden_size"]))
-            cfg = start.config
             adapted = {"path": str(adapt_from), "trained_on": source_header["trained_on"]}
-        model, metrics = train_set_model(
-            build_samples(train, cfg),
-            build_samples(held, cfg),
-            train.hidden,
-            held.hidden,
-            target.embed,
-            cfg,
-            epochs,
-            progress=progress,
-            validation=(build_samples(validation, cfg), validation.hidden),
-            model=start,
+        model, metrics = train_spot_sets(
+            traj, target.embed, epochs, heldout, adapt_from=source, progress=progress
         )
         if adapt_from is not None:
             metrics["adapted_from"] = adapted
@@ -339,26 +223,28 @@ def calibrate_spot_command(path, model_path, prior_scales, prompts, budget, eval
     stream = int(header["trained_on"]["seed"]) + 1
     validation = encode(tokenizer, corpus_prompts("train", prompts, stream))
     earlier = header["metrics"].get("tree_calibration", {})  # calibrating again starts over
-    trained = float(earlier.get("trained_prior_scale", model.prior_scale.detach()))
-    measured = {}
-    for scale in [trained, *prior_scales]:
-        model.prior_scale.data.fill_(scale)
-        drafter = SpotDrafter(model, budget)
-        curve = measure_acceptance(target, drafter, validation, config, batch_size=8)
-        measured[scale] = curve["steps_per_forward"][-1]
-        click.echo(f"prior scale {scale:.3g}: {measured[scale]:.3f} steps per forward")
-    chosen = max(measured, key=lambda scale: (measured[scale], scale == trained))
-    model.prior_scale.data.fill_(chosen)
+    choice = choose_prior_scale(
+        model,
+        target,
+        validation,
+        config,
+        budget,
+        prior_scales,
+        trained=earlier.get("trained_prior_scale"),
+        on_measured=lambda scale, steps: click.echo(
+            f"prior scale {scale:.3g}: {steps:.3f} steps per forward"
+        ),
+    )
     requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
     curve = measure_acceptance(target, SpotDrafter(model, budget), requests, config, 8)
     header["metrics"]["tree_calibration"] = {
         "budget": budget,
         "validation_prompts": prompts,
-        "trained_prior_scale": trained,
-        "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in measured.items()},
-        "chosen_prior_scale": chosen,
+        "trained_prior_scale": choice.trained,
+        "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in choice.measured.items()},
+        "chosen_prior_scale": choice.chosen,
     }
     header["acceptance_curve"] = curve
     body = {k: v for k, v in header.items() if k not in ("kind", "config")}
     save_order_model(path, model, "spot", body)
-    click.echo(f"kept prior scale {chosen:.3g} -> {path}")
+    click.echo(f"kept prior scale {choice.chosen:.3g} -> {path}")

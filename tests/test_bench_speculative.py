@@ -41,7 +41,7 @@ def test_each_reason_a_walk_stops_is_told_apart():
 def test_interleaved_rows_keep_each_decoder_apart():
     """Decoders take turns batch by batch; each row still holds its own decoder's outputs in
     request order, and walks are classified only for rows that ask for it."""
-    from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+    from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
     from spot.builtin import builtin_drafter
     from spot.config import DecodingConfig
     from spot.decode import generate

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.budget import AutoBudget, ForwardCost, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.drafter_training import corpus_prompts, encode, load_model_and_tokenizer
+from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig

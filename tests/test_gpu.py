@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.drafter_training import corpus_prompts, encode
+from pipeline.drafter_data import corpus_prompts, encode
 from pipeline.tokenizer import load_tokenizer
 from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter, resolve_builtin
