@@ -40,7 +40,7 @@ def decoding_options(f):
     for option in reversed(
         [
             click.option("--block-length", default=32, show_default=True),
-            click.option("--gen-length", default=128, show_default=True),
+            click.option("--gen-length", default=64, show_default=True),
             click.option(
                 "--rule",
                 type=click.Choice(["static", "threshold", "sdar_dynamic"]),
@@ -110,11 +110,10 @@ def record_command(model_path, out, prompts, batch_size, hidden, **kw):
 @click.option(
     "--objective",
     type=click.Choice(sorted(OBJECTIVES)),
-    default="next",
-    show_default=True,
-    help="spot only: `next`, the next commit from hypotheses 1-8 steps past each stale "
-    "forward; `order`, the order of the next 8 commits from each tree root (what a tree "
-    "reads its root's scores as; wants more trajectories)",
+    default=None,
+    help="spot only: `order` (default; every shipped SPOT drafter), the order of the next 8 "
+    "commits from each tree root (what a tree reads its root's scores as; wants more "
+    "trajectories); `next`, the next commit from hypotheses 1-8 steps past each stale forward",
 )
 def train_command(
     kind,
@@ -131,7 +130,7 @@ def train_command(
     """Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories."""
     if adapt_from is not None and kind != "spot-sets":
         raise click.UsageError("--adapt-from adapts SPOT-Sets checkpoints (--kind spot-sets)")
-    if objective != "next" and kind != "spot":
+    if objective is not None and kind != "spot":
         raise click.UsageError("--objective chooses how SPOT's order model learns (--kind spot)")
     traj = Trajectories.load(trajectories)
     meta = traj.meta
@@ -144,7 +143,7 @@ def train_command(
         bar.set_postfix(loss=f"{loss:.3f}")
 
     if kind == "spot":
-        model, metrics = train_spot(traj, epochs, heldout, objective, progress=progress)
+        model, metrics = train_spot(traj, epochs, heldout, objective or "order", progress=progress)
         drafter = SpotDrafter(model, budget)
     else:
         if traj.hidden is None:

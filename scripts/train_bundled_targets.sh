@@ -8,10 +8,10 @@ cd "$(dirname "$0")/.."
 CLI=.venv/bin/spot-factory
 WORK=${WORK:-build/targets}
 mkdir -p "$WORK"
-$CLI build-corpus
-$CLI train-target sdar-tiny --threads 2 --log "$WORK/sdar-tiny.log"
-$CLI train-target llada-tiny --threads 1 --log "$WORK/llada-tiny.log" &
+$CLI build-corpus --into-package
+$CLI train-target sdar-tiny --into-package --threads 2 --log "$WORK/sdar-tiny.log"
+$CLI train-target llada-tiny --into-package --threads 1 --log "$WORK/llada-tiny.log" &
 llada=$!
-$CLI train-target sdar-nano --threads 1 --log "$WORK/sdar-nano.log"
+$CLI train-target sdar-nano --into-package --threads 1 --log "$WORK/sdar-nano.log"
 wait "$llada"
 $CLI evaluate-target --threads 2

@@ -15,6 +15,7 @@ import click
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from spot.builtin import builtin_root
+from spot_factory.cli import chosen_output, output_options
 from spot_factory.corpus import examples, heldout_prompt_set, write_jsonl
 
 EOS = "<|endoftext|>"
@@ -107,14 +108,16 @@ def save_hf(tokenizer: Tokenizer, directory: Path, model_max_length: int = 512) 
 
 
 @click.command("build-corpus")
-@click.option(
-    "--output", type=click.Path(path_type=Path), default=builtin_root(), show_default=True
-)
+@output_options
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, show_default=True)
 @click.option("--heldout", type=int, default=400, show_default=True, help="held-out prompts")
-def build_corpus_command(output: Path, seed: int, vocab_size: int, heldout: int) -> None:
-    """Train the bundled tokenizer on the corpus and write the held-out prompt set."""
+def build_corpus_command(
+    output: Path | None, into_package: bool, seed: int, vocab_size: int, heldout: int
+) -> None:
+    """Train the bundled tokenizer on the corpus and write the held-out prompt set
+    (OUTPUT/tokenizer, OUTPUT/prompts/heldout.jsonl)."""
+    output = chosen_output(output, into_package, builtin_root())
     save_hf(train_tokenizer(seed, vocab_size), output / "tokenizer")
     write_jsonl(output / "prompts" / "heldout.jsonl", heldout_prompt_set(seed, heldout))
     click.echo(f"wrote {output / 'tokenizer'} and {output / 'prompts' / 'heldout.jsonl'}")

@@ -39,6 +39,7 @@ from spot.builtin import builtin_root, resolve_builtin
 from spot.models.loading import save_checkpoint as save_checkpoint_files
 from spot.models.registry import family_for
 from spot.models.transformer import Transformer, TransformerConfig
+from spot_factory.cli import chosen_output, output_options
 from spot_factory.corpus import examples
 from spot_factory.tokenizer import EOS, IM_END, MASK, chat_prompt
 
@@ -467,18 +468,21 @@ def _readme(spec: TrainSpec, parameters: int, seconds: float, seen: int) -> str:
         f"Python functions, JSON records) for {spec.steps} steps of {spec.batch_size} "
         f"sequences ({seen} examples) in {seconds / 60:.1f} min on CPU; AdamW "
         f"(lr {spec.learning_rate}, cosine), seed {spec.seed}.\n\n"
-        f"Reproduce: `spot-factory train-target {spec.name}`; the exact settings are in "
-        f"training.json. Prompts use the chat template in tokenizer_config.json.\n"
+        f"Reproduce: `spot-factory train-target {spec.name} --into-package`; the exact "
+        "settings are in training.json. Prompts use the chat template in "
+        "tokenizer_config.json.\n"
     )
 
 
 @click.command("train-target")
 @click.argument("name", type=click.Choice(sorted(PRESETS)))
+@output_options
 @click.option(
-    "--output",
-    type=click.Path(path_type=Path),
+    "--tokenizer",
+    "tokenizer_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="checkpoint directory (default: spot/builtin/targets/<name>)",
+    help="tokenizer directory (from build-corpus; default: the bundled tokenizer)",
 )
 @click.option("--steps", type=int, default=None, help="override the preset's step count")
 @click.option("--batch-size", type=int, default=None, help="override the preset's batch size")
@@ -487,15 +491,17 @@ def _readme(spec: TrainSpec, parameters: int, seconds: float, seen: int) -> str:
 def train_target_command(
     name: str,
     output: Path | None,
+    into_package: bool,
+    tokenizer_dir: Path | None,
     steps: int | None,
     batch_size: int | None,
     log_path: Path | None,
     threads: int | None,
 ) -> None:
-    """Train a bundled target (sdar-tiny, sdar-nano, llada-tiny) on CPU."""
+    """Train a bundled target (sdar-tiny, sdar-nano, llada-tiny) on CPU into the checkpoint
+    directory OUTPUT (with --into-package: spot/builtin/targets/NAME)."""
+    output = chosen_output(output, into_package, builtin_root() / "targets" / name)
     overrides = {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v}
     spec = PRESETS[name].model_copy(update=overrides)
-    if output is None:
-        output = builtin_root() / "targets" / name
-    path = train(spec, output, log_path=log_path, threads=threads)
+    path = train(spec, output, tokenizer_dir, log_path=log_path, threads=threads)
     click.echo(f"saved {spec.name} to {path}")

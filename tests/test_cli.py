@@ -162,3 +162,26 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     assert graph.meta["rule"] == "threshold" and len(graph.paths) <= 4
     curve = graph.acceptance_curve([0, len(graph.paths)])
     assert curve.steps_per_forward[0] == 1.0 <= curve.steps_per_forward[1]
+
+
+def test_drafter_commands_default_to_the_shipped_recipe(tmp_path: Path):
+    """Left to their defaults, record-trajectories and train-drafter make what the shipped
+    SPOT drafters were made with: 64-token generations, the `order` objective."""
+    from spot.builtin import builtin_drafter
+    from spot.drafters.files import read_header
+    from spot.drafters.trajectory import Trajectories
+
+    shipped = read_header(builtin_drafter("sdar-nano", "spot", 16))
+    assert shipped["metrics"]["objective"] == "order"
+    runner = CliRunner()
+    traj = tmp_path / "nano.pt"
+    record = ["record-trajectories", "--model", "builtin:sdar-nano", "--out", str(traj)]
+    result = runner.invoke(main, [*record, "--prompts", "16", "--block-length", "16"])
+    assert result.exit_code == 0, result.output
+    assert Trajectories.load(traj).meta["gen_length"] == shipped["trained_on"]["gen_length"]
+    out = tmp_path / "spot.safetensors"
+    train = ["train-drafter", "--trajectories", str(traj), "--model", "builtin:sdar-nano"]
+    train += ["--out", str(out), "--epochs", "2", "--budget", "4", "--eval-prompts", "2"]
+    result = runner.invoke(main, train)
+    assert result.exit_code == 0, result.output
+    assert read_header(out)["metrics"]["objective"] == "order"
