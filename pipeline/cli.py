@@ -40,6 +40,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, lazy_commands=COMMANDS)
+@click.version_option(package_name="spot-pipeline", prog_name="spot-pipeline")
 def main() -> None:
     """Lossless speculative decoding (SPOT) for diffusion LMs, as Ray Data batch jobs."""
 

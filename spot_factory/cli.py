@@ -49,7 +49,7 @@ def chosen_output(output: Path | None, into_package: bool, packaged: Path) -> Pa
 
 
 @click.group(cls=LazyGroup, lazy_commands=COMMANDS)
-@click.version_option(package_name="spot-pipeline")
+@click.version_option(package_name="spot-pipeline", prog_name="spot-factory")
 def main() -> None:
     """Make and check the bundled assets (corpus, tokenizer, targets) of spot-pipeline."""
 

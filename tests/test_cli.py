@@ -44,6 +44,14 @@ def test_help_everywhere():
         assert "Usage:" in result.output
 
 
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.output == f"spot-pipeline, version {version('spot-pipeline')}\n"
+
+
 def test_validate_reports_the_plan(job_file: Path):
     result = CliRunner().invoke(main, ["validate", str(job_file)])
     assert result.exit_code == 0, result.output
@@ -113,7 +121,8 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     checkpoint's tree sharpness chosen by measured acceptance, and a Spiffy graph whose
     acceptance the calibration counts predict."""
     from spot.builtin import builtin_drafter
-    from spot.drafters.files import load_order_model, read_header
+    from spot.drafters.files import read_header
+    from spot.drafters.registry import load_order_model
     from spot.drafters.spiffy import DraftGraph
 
     runner = CliRunner()
