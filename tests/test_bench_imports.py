@@ -9,19 +9,22 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
 def test_bench_imports_no_cli_module(script):
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('bench', {str(BENCH / script)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('script', {str(BENCH / script)!r})\n"
         "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules['bench'] = module\n"
+        "sys.modules['script'] = module\n"
         "spec.loader.exec_module(module)\n"
         "print(sorted(m for m in sys.modules if m == 'click' or m.startswith('click.')))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "[]"
