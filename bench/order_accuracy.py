@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from spot.drafters.files import load_order_model
 from spot.drafters.order_model import DOUBT_SCALE
+from spot.drafters.registry import load_order_model
 from spot.drafters.training import build_samples
 from spot.drafters.trajectory import Trajectories
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.config import DecodingConfig
-from spot.drafters.files import load_order_model, save_order_model
+from spot.drafters.files import save_order_model
 from spot.drafters.recipes import (
     OBJECTIVES,
     choose_prior_scale,
@@ -30,6 +30,7 @@ from spot.drafters.recipes import (
     train_spot_sets,
     trained_on,
 )
+from spot.drafters.registry import load_order_model
 from spot.drafters.spiffy import calibrate
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.spot_sets import SpotSetsDrafter

@@ -7,7 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from pipeline.cli import main as cli
-from spot.drafters.files import load_order_model
+from spot.drafters.registry import load_order_model
 
 spec = importlib.util.spec_from_file_location(
     "bench_order_capacity", Path(__file__).parents[1] / "bench" / "order_capacity.py"

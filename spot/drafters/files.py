@@ -1,17 +1,19 @@
 """Drafter checkpoints on disk: one safetensors file whose header carries a JSON description
-(kind, network config, the target and decoding it was trained on, held-out metrics). The
-network a kind's file holds is the registry's (`spot.drafters.registry`)."""
+(kind, network config, the target and decoding it was trained on, held-out metrics). Which
+network a kind's file holds is the registry's business (`registry.load_order_model`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
-from spot.drafters.registry import drafter_kind
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def save_order_model(path: str | Path, model: nn.Module, kind: str, meta: dict) -> None:
@@ -35,15 +37,7 @@ def check_kind(header: dict, path: str | Path, kind: str) -> None:
         raise ValueError(f"{path} holds a {header['kind']!r} drafter, not {kind!r}")
 
 
-def load_order_model(path: str | Path, kind: str = "spot") -> tuple[nn.Module, dict]:
-    """The trained network of a `kind` drafter file, in eval mode, and its header."""
-    header = read_header(path)
-    check_kind(header, path, kind)
-    build = drafter_kind(kind).network
-    if build is None:
-        raise ValueError(f"a {kind} drafter holds no network")
-    model = build(header["config"])
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The network's state dict as stored."""
     with safe_open(str(path), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    model.load_state_dict(state)
-    return model.eval(), header
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118

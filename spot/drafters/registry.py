@@ -70,6 +70,18 @@ class DrafterKind:
 
             check_kind(read_header(path), path, self.name)
 
+    def load_network(self, path: str | Path) -> tuple[nn.Module, dict]:
+        """The trained network of a drafter file of this kind, in eval mode, and its header."""
+        from spot.drafters.files import check_kind, read_header, read_tensors
+
+        if self.network is None:
+            raise ValueError(f"a {self.name} drafter holds no network")
+        header = read_header(path)
+        check_kind(header, path, self.name)
+        model = self.network(header["config"])
+        model.load_state_dict(read_tensors(path))
+        return model.eval(), header
+
 
 def _order_model(config: dict[str, Any]) -> nn.Module:
     from spot.drafters.order_model import OrderModel, OrderModelConfig
@@ -84,7 +96,6 @@ def _set_model(config: dict[str, Any]) -> nn.Module:
 
 
 def _load_spot(path: str | Path, budget: int, target: Target) -> Drafter:
-    from spot.drafters.files import load_order_model
     from spot.drafters.spot import SpotDrafter
 
     model, _ = load_order_model(path, "spot")
@@ -93,7 +104,6 @@ def _load_spot(path: str | Path, budget: int, target: Target) -> Drafter:
 
 def _load_spot_sets(path: str | Path, budget: int, target: Target) -> Drafter:
     """SPOT-Sets reads the target's token embeddings: its hidden size must match."""
-    from spot.drafters.files import load_order_model
     from spot.drafters.spot_sets import SpotSetsDrafter
 
     model, _ = load_order_model(path, "spot-sets")
@@ -174,3 +184,9 @@ def load_drafter(kind: str, path: str | Path, budget: int, target: Target) -> Dr
 def acceptance_curve(kind: str, path: str | Path) -> AcceptanceCurve:
     """Steps per forward by budget of the drafter of `kind` stored at `path`."""
     return drafter_kind(kind).curve(path)
+
+
+def load_order_model(path: str | Path, kind: str = "spot") -> tuple[nn.Module, dict]:
+    """The trained network (SPOT's order model, SPOT-Sets' set model) of a `kind` drafter file
+    and its header."""
+    return drafter_kind(kind).load_network(path)
