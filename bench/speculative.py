@@ -21,6 +21,7 @@ The last column says why verification walks stopped (`walk_stop`).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import Counter
@@ -207,6 +208,12 @@ def main() -> None:
     p.add_argument("--targets", nargs="+", default=["sdar-tiny"])
     p.add_argument("--transfer-from", default=None, help="target whose drafters to transfer")
     p.add_argument("--prompts", type=int, default=40)
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="JSON Lines with id and prompt columns, its first --prompts rows "
+        "(default: the bundled held-out prompts)",
+    )
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--gen-length", type=int, default=128)
     p.add_argument("--rule", choices=["static", "threshold"], default="static")
@@ -249,7 +256,12 @@ def main() -> None:
 
 def bench_target(name: str, args) -> None:
     tokenizer, target = load_model_and_tokenizer(f"builtin:{name}", args.dtype)
-    requests = encode(tokenizer, corpus_prompts("heldout", args.prompts))
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts = [json.loads(line) for line in f if line.strip()][: args.prompts]
+    else:
+        prompts = corpus_prompts("heldout", args.prompts)
+    requests = encode(tokenizer, prompts)
     static = DecodingConfig(
         gen_length=args.gen_length,
         block_length=args.block_length,
