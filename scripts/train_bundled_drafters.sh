@@ -8,7 +8,7 @@
 # prompts takes 2-11 min, training SPOT on them 5-16 min per target and block; 4800 twice
 # that, 9600 four times: 17 min recording and 43 min training on sdar-tiny):
 #   TARGETS=sdar-tiny BLOCKS=16 PROMPTS=2400 THRESHOLD_PROMPTS=800 EPOCHS=6 \
-#     OBJECTIVE=order bash ...
+#     bash ...
 # the same with TARGETS=sdar-nano and TARGETS=llada-tiny, and every target's block 32 with
 # PROMPTS=4800, sdar-tiny's and llada-tiny's with PROMPTS=9600 (4800 prompts left
 # sdar-tiny's block 16 where 2400 had it). The transfer
@@ -34,7 +34,7 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
     $CLI record-trajectories --model "builtin:$target" --out "$static" \
       --block-length "$block" --gen-length "$GEN" --prompts "$PROMPTS"
     $CLI train-drafter --kind spot --trajectories "$static" --model "builtin:$target" \
-      --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS" --objective "${OBJECTIVE:-next}"
+      --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS" --objective "${OBJECTIVE:-order}"
     $CLI calibrate-spot --drafter "$out/spot-b$block.safetensors" --model "builtin:$target"
     $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 16
     threshold=$WORK/$target-b$block-threshold.pt
