@@ -92,6 +92,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         f"{duplicates} duplicated id(s), model {job.model.path}, drafter {job.drafter_label()}, "
         f"output {job.output.path}"
     )
+    if plan.unreadable:
+        click.echo(f"  {plan.unreadable} row(s) cannot be read: they will be error rows")
 
 
 @click.command()

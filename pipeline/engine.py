@@ -8,14 +8,15 @@ with `error` set and no completion, never a failed batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import torch
 
 from pipeline.job import Job, resolve_model_path
-from pipeline.schema import GENERATED_FIELDS, ID, PROMPT, ROW_ERROR, SAMPLE_INDEX
+from pipeline.prompts import PromptError, cut_at_stop, prompt_ids, prompt_text
+from pipeline.schema import GENERATED_FIELDS, ID, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
 from spot import noise
 from spot.decode import Drafter, Request, Result, generate
 from spot.target import Target
@@ -83,15 +84,10 @@ class Engine:
         self.drafter_label = job.drafter_label()
         self.eos_ids = torch.tensor(self.target.eos_ids)
 
-    def encode(self, prompt: str) -> list[int]:
-        """Prompt token ids, through the chat template when the job asks for it."""
-        if self.job.input.chat_template:
-            messages = [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+    def encode(self, row: Mapping[str, Any] | str) -> list[int]:
+        """Prompt token ids of a row (or a plain prompt), see `pipeline.prompts.prompt_ids`."""
+        row = {PROMPT: row} if isinstance(row, str) else row
+        return prompt_ids(self.tokenizer, row, self.job.input)
 
     def needed_length(self, prompt_length: int) -> int:
         """Positions the target must hold for a prompt of this length (its block grid)."""
@@ -107,20 +103,14 @@ class Engine:
         return layout.total_length
 
     def _prompt_ids(
-        self, row_error: str | None, prompt: Any
+        self, row_error: str | None, row: Mapping[str, Any]
     ) -> tuple[list[int] | None, str | None]:
         if row_error is not None:
             return None, row_error
-        if prompt is None:
-            return None, "prompt is null"
-        if not isinstance(prompt, str):
-            return None, f"prompt is not a string ({type(prompt).__name__})"
-        if not prompt.strip():
-            return None, "prompt is empty"
         try:
-            ids = self.encode(prompt)
-        except Exception as error:  # a tokenizer failure is this row's problem only
-            return None, f"cannot tokenize prompt: {type(error).__name__}: {error}"
+            ids = self.encode(row)
+        except PromptError as error:
+            return None, str(error)
         needed = self.needed_length(len(ids))
         if needed > self.target.max_length:
             return None, (
@@ -161,7 +151,10 @@ class Engine:
         """Output rows for `batch` (columns id, prompt, sample_index, _row_error and the
         carried input columns), in the same order."""
         ids = batch.column(ID).to_pylist()
-        prompts = batch.column(PROMPT).to_pylist()
+        rows = [
+            {PROMPT: prompt, MESSAGES: messages}
+            for prompt, messages in zip(_values(batch, PROMPT), _values(batch, MESSAGES))
+        ]
         samples = batch.column(SAMPLE_INDEX).to_pylist()
         row_errors = batch.column(ROW_ERROR).to_pylist()
         columns: dict[str, list] = {f.name: [None] * batch.num_rows for f in GENERATED_FIELDS}
@@ -171,17 +164,15 @@ class Engine:
 
         pending: list[int] = []
         requests: list[Request] = []
-        for i, (row_id, prompt, sample, row_error) in enumerate(
-            zip(ids, prompts, samples, row_errors)
-        ):
-            prompt_ids, error = self._prompt_ids(row_error, prompt)
+        for i, (row_id, row, sample, row_error) in enumerate(zip(ids, rows, samples, row_errors)):
+            token_ids, error = self._prompt_ids(row_error, row)
             if error is not None:
                 columns["error"][i] = error
                 columns["finish_reason"][i] = "error"
                 continue
-            columns["num_prompt_tokens"][i] = len(prompt_ids)
+            columns["num_prompt_tokens"][i] = len(token_ids)
             key = noise.request_key(row_id, sample)
-            requests.append(Request(torch.tensor(prompt_ids, dtype=torch.long), key))
+            requests.append(Request(torch.tensor(token_ids, dtype=torch.long), key))
             pending.append(i)
 
         for i, result in zip(pending, self._generate(requests)):
@@ -189,11 +180,11 @@ class Engine:
                 columns["error"][i] = result
                 columns["finish_reason"][i] = "error"
                 continue
-            completion_ids = self._completion_ids(result.tokens)
-            stats = result.stats
-            columns["completion"][i] = self.tokenizer.decode(
-                completion_ids, skip_special_tokens=True
+            completion_ids, text, stopped = cut_at_stop(
+                self.tokenizer, self._completion_ids(result.tokens), self.job.decoding.stop
             )
+            stats = result.stats
+            columns["completion"][i] = text
             columns["completion_token_ids"][i] = completion_ids
             columns["num_generated_tokens"][i] = len(completion_ids)
             columns["nfe"][i] = stats.nfe
@@ -202,15 +193,23 @@ class Engine:
             columns["tree_nodes_verified"][i] = stats.tree_nodes
             columns["drafter_seconds"][i] = stats.drafter_seconds
             columns["wall_seconds"][i] = stats.wall_seconds
-            columns["finish_reason"][i] = result.finish_reason
+            columns["finish_reason"][i] = "stop" if stopped else result.finish_reason
 
-        return _output_table(batch, prompts, columns)
+        texts = [prompt_text(row, self.job.input) for row in rows]
+        return _output_table(batch, texts, columns)
 
 
-def _output_table(batch: pa.Table, prompts: list[Any], columns: dict[str, list]) -> pa.Table:
-    """id, prompt (text or null), the generated fields, sample_index, carried columns."""
-    text = [p if isinstance(p, str) else None for p in prompts]
-    arrays = [batch.column(ID), pa.array(text, pa.string())]
+def _values(batch: pa.Table, name: str) -> list[Any]:
+    """A column's values, all None when the batch has no such column."""
+    if name not in batch.column_names:
+        return [None] * batch.num_rows
+    return batch.column(name).to_pylist()
+
+
+def _output_table(batch: pa.Table, texts: list[str | None], columns: dict[str, list]) -> pa.Table:
+    """id, prompt (its text or null), the generated fields, sample_index, carried columns
+    (the conversation of a messages job among them)."""
+    arrays = [batch.column(ID), pa.array(texts, pa.string())]
     names = [ID, PROMPT]
     for field in GENERATED_FIELDS:
         arrays.append(pa.array(columns[field.name], field.type))

@@ -27,7 +27,6 @@ import click
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pds
 
 from pipeline.job import CostConfig, Job
 from pipeline.schema import ROW_ERROR, SAMPLE_INDEX
@@ -209,16 +208,14 @@ def sample_rows(job: Job, size: int, seed: int = 0) -> tuple[pa.Table, int]:
     from pipeline.inputs import plan_input
 
     plan = plan_input(job.input)
-    if plan.limited is not None:
-        table = plan.limited
-    else:
-        table = pds.dataset(plan.files, filesystem=plan.filesystem, format=plan.format)
+    table = plan.rows()
     total = plan.num_rows
     chosen = np.sort(np.random.default_rng(seed).choice(total, min(size, total), replace=False))
     rows = table.take(pa.array(chosen))
     rows = rows.rename_columns([plan.renamed[name] for name in rows.column_names])
     samples = job.decoding.samples_per_prompt
-    rows = rows.append_column(ROW_ERROR, pa.nulls(rows.num_rows, pa.string()))
+    if ROW_ERROR not in rows.column_names:  # JSON Lines rows carry the reader's errors
+        rows = rows.append_column(ROW_ERROR, pa.nulls(rows.num_rows, pa.string()))
     expanded = rows.take(pa.array(np.repeat(np.arange(rows.num_rows), samples)))
     index = np.tile(np.arange(samples, dtype=np.int64), rows.num_rows)
     return expanded.append_column(SAMPLE_INDEX, pa.array(index)), total

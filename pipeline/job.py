@@ -52,7 +52,21 @@ class InputConfig(_Section):
         description="Unique row id; the output's `id` column, the resume key and, with the job "
         "seed, the coupled-noise key, so a row's completion does not depend on batching.",
     )
-    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    prompt_column: str = Field(
+        "prompt", description="Column holding the prompt text (unused with messages_column)."
+    )
+    messages_column: str | None = Field(
+        None,
+        description="Column holding a conversation instead of a prompt: a list of {role, "
+        "content} turns (system, user, assistant), as OpenAI and Ray Data LLM take it; needs "
+        "chat_template. The output's `prompt` is the last user turn and the conversation is "
+        "carried as `messages`.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="A system turn put before every conversation that has none (plain prompts "
+        "and messages alike); needs chat_template.",
+    )
     chat_template: bool = Field(
         True,
         description="Wrap each prompt as a user turn of the tokenizer's chat template (instruct "
@@ -168,6 +182,18 @@ class DecodingSection(_Section):
         description="Completions per prompt, each with its own noise key and `sample_index` "
         "(rejection sampling, preference pairs); useful with temperature > 0.",
     )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Stop strings: a completion ends just before the first one it holds "
+        "(finish_reason `stop`), its token ids at the token that holds the stop's start.",
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not stop for stop in value):
+            raise ValueError("stop strings must not be empty")
+        return value
 
     @field_validator("block_length")
     @classmethod
@@ -186,7 +212,7 @@ class DecodingSection(_Section):
         return value
 
     def to_config(self) -> DecodingConfig:
-        """The decoding core's own config (samples_per_prompt is the pipeline's business)."""
+        """The decoding core's own config (samples_per_prompt and stop are the pipeline's)."""
         return DecodingConfig(
             gen_length=self.gen_length,
             block_length=self.block_length,
@@ -268,6 +294,13 @@ class Job(_Section):
                 f"resources.num_gpus: a replica of tensor_parallel {degree} runs one rank per "
                 f"GPU; set num_gpus: {degree} (or 0 on CPU), not {gpus:g}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _chat_input_needs_template(self) -> Job:
+        for key in ("messages_column", "system_prompt"):
+            if getattr(self.input, key) is not None and not self.input.chat_template:
+                raise ValueError(f"input.{key}: needs input.chat_template: true")
         return self
 
     @model_validator(mode="after")

@@ -29,7 +29,7 @@ import torch
 from ray.data import ActorPoolStrategy, DataContext
 
 from pipeline.engine import Engine
-from pipeline.inputs import InputPlan, plan_input
+from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
 from pipeline.schema import ID, SAMPLE_INDEX
@@ -214,8 +214,13 @@ def _execute(
     context.print_on_execution_start = False
     if plan.limited is not None:
         dataset = ray.data.from_arrow(plan.limited)
-    elif plan.format == "json":
-        dataset = ray.data.read_json(plan.files, filesystem=plan.filesystem, lines=True)
+    elif plan.reader is not None:  # JSON Lines, read line by line (pipeline.inputs)
+        dataset = ray.data.from_items([{"path": f} for f in plan.files]).map_batches(
+            read_jsonl_files,
+            batch_size=1,
+            batch_format="pyarrow",
+            fn_kwargs={"reader": plan.reader, "filesystem": plan.filesystem},
+        )
     else:
         dataset = ray.data.read_parquet(plan.files, filesystem=plan.filesystem)
     shared = {"done": ray.put(done), "duplicates": ray.put(plan.duplicate_ids)}

@@ -7,6 +7,7 @@ import pyarrow as pa
 
 ID = "id"
 PROMPT = "prompt"
+MESSAGES = "messages"  # the conversation of a job with input.messages_column
 SAMPLE_INDEX = "sample_index"
 ROW_ERROR = "_row_error"  # internal: an error found before generation (null or duplicate id)
 

@@ -41,7 +41,8 @@ def expand_rows(
     shared: dict[str, Any],
 ) -> pa.Table:
     """Input rows -> one row per (row, sample), rows already written dropped; marks rows
-    whose id is null or duplicated with their error before any model sees them."""
+    whose id is null or duplicated, or that could not be read, with their error before any
+    model sees them."""
     done, duplicates = ray.get([shared["done"], shared["duplicates"]])
     batch = batch.rename_columns([renamed[n] for n in batch.column_names])
     keys = id_keys(batch.column(ID))
@@ -56,6 +57,10 @@ def expand_rows(
         else None
         for is_null, count in zip(nulls, counts)
     ]
+    if ROW_ERROR in batch.column_names:  # rows the JSON Lines reader could not read
+        unread = batch.column(ROW_ERROR).to_pylist()
+        errors = [reason or error for reason, error in zip(unread, errors)]
+        batch = batch.drop_columns([ROW_ERROR])
     batch = batch.append_column(ROW_ERROR, pa.array(errors, pa.string()))
     rows = np.repeat(np.arange(batch.num_rows), samples)
     expanded = batch.take(rows).append_column(

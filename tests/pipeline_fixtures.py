@@ -108,3 +108,31 @@ def by_key(table: pa.Table, *columns: str) -> dict[tuple, tuple]:
     keyed = {(r["id"], r["sample_index"]): tuple(r[c] for c in columns) for r in rows}
     assert len(keyed) == len(rows), "duplicate (id, sample_index) in the output"
     return keyed
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    """One line per item: a dict as JSON, a string as it is (to write broken lines)."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = [line if isinstance(line, str) else json.dumps(line) for line in lines]
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600):
+    """`spot-pipeline ARGS` in a subprocess from the checkout (its own embedded Ray)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "PYTHONPATH": str(repo), **(env or {})}
+    environment.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=repo,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
