@@ -4,6 +4,7 @@ SPOT-Sets on them, calibrate Spiffy's draft graph; and measure the acceptance cu
 recipes of `spot.drafters.recipes`.
 
     spot-pipeline record-trajectories --model builtin:sdar-tiny --out traj.pt
+    spot-pipeline record-trajectories job.yaml --address http://head:8265 --out /shared/traj
     spot-pipeline train-drafter --kind spot --trajectories traj.pt --model builtin:sdar-tiny \
         --out spot.safetensors
     spot-pipeline calibrate-spiffy --trajectories traj.pt --out spiffy.json
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import click
+from click.core import ParameterSource
 from tqdm import tqdm
 
+from pipeline.cli import _load_or_exit, _plan_or_exit, _set_option
 from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
 from spot.config import DecodingConfig
 from spot.drafters.files import save_order_model
@@ -71,14 +75,78 @@ def _config(kw) -> DecodingConfig:
 
 
 @click.command("record-trajectories")
-@click.option("--model", "model_path", required=True, help="builtin:<name> or checkpoint dir")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="dataset file (.pt)")
+@click.argument("job_file", required=False, type=click.Path(dir_okay=False))
+@_set_option
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    help="without a job file: builtin:<name> or checkpoint dir, recorded in this process",
+)
+@click.option(
+    "--out",
+    required=True,
+    help="with a job file: a folder (or URI) of shard files; without: a recording file (.pt)",
+)
 @click.option("--prompts", default=400, show_default=True, help="corpus train prompts to use")
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--hidden/--no-hidden", default=False, help="also keep hidden states (SPOT-Sets)")
+@click.option(
+    "--address",
+    default=None,
+    help="with a job file: Ray cluster (dashboard address) to record on through the Ray Jobs "
+    "API; default: $RAY_ADDRESS, else an embedded local Ray.",
+)
+@click.option("--in-cluster", is_flag=True, hidden=True, help="Run inside a Ray job.")
 @decoding_options
-def record_command(model_path, out, prompts, batch_size, hidden, **kw):
-    """Run the target's own draft-free decoding and store what drafters learn from."""
+def record_command(
+    job_file, overrides, model_path, out, prompts, batch_size, hidden, address, in_cluster, **kw
+):
+    """Run the target's own draft-free decoding and store what drafters learn from.
+
+    With JOB_FILE, its target records its input rows with its decoding, on its replicas (a Ray
+    job, on a cluster with --address), one shard file per block of rows in the --out folder;
+    a folder that already holds some of them records the rest. Without, --model records
+    --prompts prompts of the bundled corpus in this process, into one file."""
+    if job_file is None:
+        if model_path is None:
+            raise click.UsageError("give a JOB_FILE (recorded by its replicas) or --model")
+        if overrides or address or in_cluster:
+            raise click.UsageError("--set and --address take a JOB_FILE")
+        _record_here(model_path, out, prompts, batch_size, hidden, kw)
+        return
+    ctx = click.get_current_context()
+    given = [
+        f"--{name.removesuffix('_path').replace('_', '-')}"
+        for name in ("model_path", "prompts", "batch_size", *kw)
+        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise click.UsageError(
+            f"{', '.join(given)}: the job file gives the model, the prompts and the decoding "
+            "(override them with --set decoding.KEY=VALUE)"
+        )
+    job = _load_or_exit(job_file, overrides)
+    _plan_or_exit(job, job_file)
+    from pipeline.recording import record_job
+    from pipeline.runner import submit_to_cluster
+
+    out = out if "://" in out else os.path.abspath(os.path.expanduser(out))
+    if os.path.isfile(out):
+        raise click.UsageError(f"--out {out} is a file; a job records into a folder of shards")
+    if in_cluster:
+        record_job(job, out, hidden, ray_address="auto", echo=click.echo)
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        command = ["record-trajectories", "--out", out, "--hidden" if hidden else "--no-hidden"]
+        submit_to_cluster(job, address, click.echo, command)
+        return
+    record_job(job, out, hidden, echo=click.echo)
+
+
+def _record_here(model_path, out, prompts, batch_size, hidden, kw) -> None:
+    """The single-process recording: bundled corpus prompts, one file."""
     config = _config(kw)
     tokenizer, target = load_model_and_tokenizer(model_path)
     requests = encode(tokenizer, corpus_prompts("train", prompts, kw["seed"]))
@@ -92,9 +160,17 @@ def record_command(model_path, out, prompts, batch_size, hidden, **kw):
     click.echo(f"{traj.segment.numel()} transitions of {len(requests)} requests -> {out}")
 
 
+_trajectories_option = click.option(
+    "--trajectories",
+    required=True,
+    type=click.Path(exists=True),
+    help="a recording: one file, or a folder of shards (record-trajectories JOB_FILE)",
+)
+
+
 @click.command("train-drafter")
 @click.option("--kind", type=click.Choice(["spot", "spot-sets"]), default="spot")
-@click.option("--trajectories", required=True, type=click.Path(exists=True, dir_okay=False))
+@_trajectories_option
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @click.option("--model", "model_path", required=True, help="the target (embeddings, evaluation)")
 @click.option("--epochs", default=6, show_default=True)
@@ -173,7 +249,7 @@ def train_command(
 
 
 @click.command("calibrate-spiffy")
-@click.option("--trajectories", required=True, type=click.Path(exists=True, dir_okay=False))
+@_trajectories_option
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @click.option("--budget", default=16, show_default=True, help="draft graph nodes (Spiffy's D)")
 @click.option("--depth", default=8, show_default=True)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -210,6 +211,21 @@ def _execute(
     actor_class: type,
 ) -> None:
     """The Ray Data pipeline, streaming from the input to part files."""
+    dataset = replica_rows(job, plan, done, pending, actor_class, {"job": job})
+    dataset.write_datasink(AtomicParquetDatasink(output))
+
+
+def replica_rows(
+    job: Job,
+    plan: InputPlan,
+    done: pa.Array,
+    pending: int,
+    actor_class: type,
+    actor_kwargs: dict[str, Any],
+) -> ray.data.Dataset:
+    """The job's (row, sample) pairs not in `done` (read, expanded, cut into blocks sized for
+    its replicas), mapped a block per call by `resources.replicas` actors of
+    `actor_class(**actor_kwargs)`: what generation writes as parts, recording as shards."""
     context = DataContext.get_current()
     context.print_on_execution_start = False
     if plan.limited is not None:
@@ -239,11 +255,11 @@ def _execute(
         batch_format="pyarrow",
         batch_size=job.resources.batch_size,
         compute=ActorPoolStrategy(size=job.resources.replicas),
-        fn_constructor_kwargs={"job": job},
+        fn_constructor_kwargs=actor_kwargs,
         num_cpus=job.resources.num_cpus,
         num_gpus=job.resources.num_gpus,
     )  # Ray Data's defaults restart a replica that dies and retry its batch elsewhere
-    dataset.write_datasink(AtomicParquetDatasink(output))
+    return dataset
 
 
 def _run_record(
@@ -276,8 +292,11 @@ def _run_record(
     }
 
 
-def submit_to_cluster(job: Job, address: str, echo: Echo = print) -> None:
-    """Submit the job through the Ray Jobs API and follow its logs until it ends."""
+def submit_to_cluster(
+    job: Job, address: str, echo: Echo = print, command: Sequence[str] = ("submit",)
+) -> None:
+    """Submit the job through the Ray Jobs API and follow its logs until it ends; in the
+    cluster, `spot-pipeline <command> job.yaml --in-cluster` runs it."""
     import asyncio
 
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -287,10 +306,11 @@ def submit_to_cluster(job: Job, address: str, echo: Echo = print) -> None:
         str(Path(__file__).resolve().parent),
         str(Path(__file__).resolve().parents[1] / "spot"),
     ]
+    entrypoint = [command[0], "job.yaml", *command[1:], "--in-cluster"]
     with tempfile.TemporaryDirectory(prefix="spot-job-") as working_dir:
         Path(working_dir, "job.yaml").write_text(_portable(job).to_yaml())
         job_id = client.submit_job(
-            entrypoint="python -m pipeline.cli submit job.yaml --in-cluster",
+            entrypoint=shlex.join(["python", "-m", "pipeline.cli", *entrypoint]),
             runtime_env={"working_dir": working_dir, "py_modules": packages},
         )
     echo(f"[{job.name}] submitted as Ray job {job_id} to {address}")

@@ -5,10 +5,18 @@ the target's exact distribution at s_i (top-k ids and log-probabilities per bloc
 positions were masked at s_i, and which committed, with which token. A *segment* is one block
 of one request; its records are consecutive, so the state a few steps ahead of s_i is s_i's
 mask minus the commits in between.
+
+A recording is one file, or a folder of shard files (`shard-*.pt`, one per block of requests
+a replica recorded); `Trajectories.load` reads either, a folder as the shards concatenated in
+a canonical order (by request key, then step), so the same requests recorded in any number of
+shards load as the same tensors.
 """
 
 from __future__ import annotations
 
+import io
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +27,7 @@ from spot.drafters.order_model import stale_top
 from spot.tree import State
 
 TOP_K = 32
+SHARD_PATTERN = "shard-*.pt"
 _FIELDS = (
     "top_logprobs",
     "top_ids",
@@ -55,12 +64,32 @@ class Trajectories:
         return self.masked.shape[1]
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        """Write to `path` through a hidden temporary beside it, renamed when complete."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.partial")
+        temporary.write_bytes(self.to_bytes())
+        os.replace(temporary, path)
+
+    def to_bytes(self) -> bytes:
         body = {name: getattr(self, name) for name in _FIELDS}
-        torch.save(body | {"meta": self.meta, "hidden": self.hidden}, path)
+        buffer = io.BytesIO()
+        torch.save(body | {"meta": self.meta, "hidden": self.hidden}, buffer)
+        return buffer.getvalue()
 
     @classmethod
     def load(cls, path: str | Path) -> Trajectories:
+        """One recording file, or a folder of shard files as one recording (see `concat`)."""
+        path = Path(path)
+        if not path.is_dir():
+            return cls._load_file(path)
+        shards = sorted(path.glob(SHARD_PATTERN))
+        if not shards:
+            raise ValueError(f"{path} holds no trajectory shards ({SHARD_PATTERN})")
+        return cls.concat([cls._load_file(shard) for shard in shards], [s.name for s in shards])
+
+    @classmethod
+    def _load_file(cls, path: Path) -> Trajectories:
         body = torch.load(path, weights_only=True)
         if "top_logprobs" not in body:
             raise ValueError(
@@ -68,6 +97,57 @@ class Trajectories:
                 "log-probabilities); record them again with `spot-pipeline record-trajectories`"
             )
         return cls(**body)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Trajectories], names: Sequence[str] = ()) -> Trajectories:
+        """One recording of the requests of `parts` (shards of one recording: same decoding,
+        no request in two of them), in canonical order: by request key, then step, segments
+        numbered in that order. Its `requests` is the parts' total."""
+        names = list(names) or [f"part {i}" for i in range(len(parts))]
+        first = parts[0].meta
+        for part, name in zip(parts, names):
+            differ = sorted(
+                k for k in {*first, *part.meta} - {"requests"} if first.get(k) != part.meta.get(k)
+            )
+            if differ:
+                raise ValueError(
+                    f"{name} was recorded with another {', '.join(differ)} than {names[0]}: "
+                    "shards of one recording share their decoding"
+                )
+            if (part.hidden is None) != (parts[0].hidden is None):
+                raise ValueError(f"{name} and {names[0]}: only one of them has hidden states")
+        owner: dict[int, str] = {}
+        for part, name in zip(parts, names):
+            for key in part.key.unique().tolist():
+                if owner.setdefault(key, name) != name:
+                    raise ValueError(f"request key {key} is recorded in {owner[key]} and {name}")
+        hidden = None if parts[0].hidden is None else torch.cat([p.hidden for p in parts])
+        joined = cls(
+            **{n: torch.cat([getattr(p, n) for p in parts]) for n in _FIELDS},
+            meta=first | {"requests": sum(int(p.meta["requests"]) for p in parts)},
+            hidden=hidden,
+        )
+        return joined.canonical()
+
+    def canonical(self) -> Trajectories:
+        """The same records ordered by (request key, step), segments renumbered in that
+        order: how a recording compares to the same requests recorded in other batches or
+        shards."""
+        order = torch.argsort(self.step, stable=True)
+        order = order[torch.argsort(self.key[order], stable=True)]
+        ordered = self._select(order)
+        # a block of a request is one segment (of one part: no request is in two), so a new
+        # segment begins where the request or its part's segment id changes
+        starts = torch.ones_like(ordered.segment, dtype=torch.bool)
+        starts[1:] = (ordered.key[1:] != ordered.key[:-1]) | (
+            ordered.segment[1:] != ordered.segment[:-1]
+        )
+        return Trajectories(
+            **{n: getattr(ordered, n) for n in _FIELDS if n != "segment"},
+            segment=(torch.cumsum(starts, 0) - 1).to(torch.int32),
+            meta=self.meta,
+            hidden=ordered.hidden,
+        )
 
     def split(self, fraction: float) -> tuple[Trajectories, Trajectories]:
         """(train, held-out) by segment, the last `fraction` of segments held out."""
