@@ -197,17 +197,16 @@ class AutoBudget(Drafter):
     reports each verification's seconds and the steps it advanced (`observe_forward`), and the
     budget in use meets its neighbours on the acceptance curve, one at a time, in turns
     (`_Climb`): the one with more steps per measured second of proposal and verification is
-    kept, a new winner meets the budget it replaced once more (sdar-tiny, batch 8: four
-    iterations a side once crowned budget 1 over draft-free, which it runs 3% slower than, for
-    the 256 iterations up to the next meeting), and the search goes on from a winner until
-    every budget it meets loses: a hill climb over the drafting budgets, with draft-free met
-    from each of them, and from draft-free the drafting budget the cost model ranks best
-    (`_neighbours`).
+    kept, a new winner meets the budget it replaced once more (four iterations a side can
+    crown a slower budget by noise, until the next meeting), and the search goes on from a
+    winner until every budget it meets loses: a hill climb over the drafting budgets, with
+    draft-free met from each of them, and from draft-free the drafting budget the cost model
+    ranks best (`_neighbours`).
     Steps per forward are the curve's, corrected by the steps measured at that budget as they
     accumulate (the curve counts as `prior_iterations` of them: Spiffy's is predicted from its
-    calibration counts, and under threshold decoding it promised 6% more from budget 2 than
-    budget 1, which lost 6% of tokens/s). Every `recheck` iterations the neighbours are met
-    again, to follow a machine that speeds up or slows down. A start-up timing disturbed by
+    calibration counts, and can promise steps a budget does not deliver; docs/benchmarks.md
+    §6.2). Every `recheck` iterations the neighbours are met again, to follow a machine that
+    speeds up or slows down. A start-up timing disturbed by
     other work then costs a few iterations, not the run."""
 
     def __init__(
@@ -222,13 +221,12 @@ class AutoBudget(Drafter):
         clock=time.perf_counter,
     ):
         """margin: how much more steps per second a drafting neighbour must show to replace
-        the budget in use (four iterations a side are noisy: under threshold decoding, where
-        budgets 1-4 promise within a few percent of each other, meetings without it climbed
-        to budget 3 and lost 10% of tokens/s). Budget 0 needs no margin: it takes its place
-        back whenever it is faster at all, since draft-free speed is the floor drafting must
-        never fall below (sdar-tiny at batch 8, 160 prompts: budget 1 runs at 0.97x of
-        draft-free; a noisy meeting crowned it, and with the margin on both sides draft-free
-        never won the place back, 305 of 317 iterations at budget 1).
+        the budget in use (four iterations a side are noisy: where budgets promise within a
+        few percent of each other, meetings without it drift between them and lose speed).
+        Budget 0 needs no margin: it takes its place back whenever it is faster at all, since
+        draft-free speed is the floor drafting must never fall below (with a margin both
+        ways, a noisy meeting can keep a slightly slower budget for good; docs/benchmarks.md
+        §6.2).
         clock: seconds, for the drafter's own time (tests pass a fake one)."""
         self.drafter = drafter
         self.needs_hidden = drafter.needs_hidden  # SPOT-Sets reads them
@@ -328,10 +326,9 @@ class AutoBudget(Drafter):
         the drafting budgets next to it on the curve. From draft-free: the drafting budget
         the cost model ranks best, not the smallest, with the drafter's measured time priced
         per call at every budget (optimistic for the larger ones; the meeting measures them).
-        A drafter's time is mostly per call (SPOT's order model runs once per round: 1.97 ms
-        at budget 1, 1.94 at 2 on sdar-tiny), so budget 1 can lose to draft-free where 2
-        beats it, and a climb through 1 never gets there (batch 1: 0.96-1.00x at budget 1,
-        1.06-1.11x at 2-3; auto probed at 1, fell to 0 and stayed, 0.99-1.00x)."""
+        A drafter's time is mostly per call (SPOT's order model runs once per round), so
+        budget 1 can lose to draft-free where 2 beats it, and a climb through 1 never gets
+        there (docs/benchmarks.md §6.2)."""
         drafting = [d for d in self.curve.budgets if d]
         if budget == 0:
             per_call = climb.own and replace(climb.own, budget=max(self.curve.budgets))

@@ -42,8 +42,8 @@ class StepNoise:
     Made by the decode loop and passed explicitly to `Drafter.propose` and to the commit rule,
     so that the rule verifies a tree with the very tensors its tokens were drafted with. It
     is a cache, and the one mutable thing a drafter is handed:
-    - Gumbel noise g[t] [B, V] per (request key, step), drawn once (at T=0.8 on sdar-tiny, a
-      draw over the vocabulary costs about 0.2 ms a step) and kept while the step is not
+    - Gumbel noise g[t] [B, V] per (request key, step), drawn once (a draw over the whole
+      vocabulary, docs/benchmarks.md §6.1) and kept while the step is not
       behind its request's root: a tree drafts from its root's step on, so the steps one tree
       drafted past its accepted path come back in the next tree;
     - per `DraftInput`, the tokens and confidences drawn from its stale logits at each step,
@@ -111,7 +111,7 @@ class StepNoise:
 @dataclass
 class _Draws:
     """One input's stale logits prepared for sampling once (every drafted step draws from
-    them: T=0.8, [32, 1155], six steps: 0.25 -> 0.13 ms a step) and its draws by step."""
+    them; preparing them per step doubled a step's cost) and its draws by step."""
 
     prepared: SamplingScores
     by_step: dict[int, tuple[torch.Tensor, torch.Tensor]]

@@ -49,8 +49,7 @@ _GAMMA = _int64(0x9E3779B97F4A7C15)
 _MIX1 = _int64(0xBF58476D1CE4E5B9)
 _MIX2 = _int64(0x94D049BB133111EB)
 # CPU rows are hashed in chunks of about this many elements, so that the ~12 in-place passes
-# run in cache (a [32, 151936] step on one thread: 117 ms in passes over the whole step, 92 ms
-# in chunks of a row, alternating)
+# run in cache (docs/benchmarks.md §6.1)
 _CPU_CHUNK = 1 << 17
 
 

@@ -61,7 +61,7 @@ def stale_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
     Log-probabilities, not probabilities: the commit order among confident positions rests on
     differences like 1 - 3e-9 vs 1 - 8e-10, which float32 probabilities round to one value
-    (the most confident position was tied in 76% of sdar-tiny's steps) while float32
+    (ties at the top in most recorded steps, docs/benchmarks.md §5.1) while float32
     log-probabilities keep them."""
     logp = torch.log_softmax(logits.double(), dim=-1)
     top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
@@ -137,8 +137,8 @@ def affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cache: dic
 
     Without autograd (drafting, evaluation) it multiplies by a contiguous [in, out] copy of the
     weight kept in `cache` until the weight changes (optimizer step, load_state_dict): MKL runs
-    these drafters' GEMMs of 32 rows 1.3-1.9x faster on it than on the transposed view
-    F.linear hands it (one thread: 128 -> 512 40 -> 29 us, 512 -> 128 55 -> 28 us).
+    these drafters' GEMMs of 32 rows faster on it than on the transposed view F.linear hands
+    it (docs/benchmarks.md §6.1).
     """
     if torch.is_grad_enabled():
         return F.linear(x, weight, bias)
@@ -185,9 +185,7 @@ class EncoderLayer(nn.Module):
     """Pre-norm encoder layer, ReLU feed-forward. Parameter names are those of torch's
     `nn.TransformerEncoderLayer`, so checkpoints keep their keys; the forward is plain
     functional code, since torch's module spends a good part of this small model's call on
-    per-call checks (3 layers, block 32, batch 1, one thread: 1.11 ms against 0.97 ms alone,
-    1.8 ms against 1.7 ms inside the decode loop, where the target's forward evicts the
-    model's weights from cache between calls)."""
+    per-call checks (docs/benchmarks.md §6.1)."""
 
     def __init__(self, d_model: int, num_heads: int, ff_size: int):
         super().__init__()

@@ -54,7 +54,7 @@ class _Growing:
         """The drafted tokens and their log-confidences at `step`, as lists (read per node).
 
         At T=0 they are read off the stale top-k, which holds the argmax and its
-        log-probability already (a second pass over [B, V] cost ~7% of a SPOT proposal)."""
+        log-probability already (no second pass over [B, V], docs/benchmarks.md §6.1)."""
         step = self.noise.noise_step(step)
         if step not in self.drawn:
             if self.inp.config.temperature == 0.0:
@@ -104,7 +104,7 @@ class BestFirstDrafter(BudgetedDrafter):
         for logp, positions in self._moves_from(g, n, row):
             heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
 
-    @torch.inference_mode()  # not no_grad: ~6-8% less per proposal in dispatch overhead
+    @torch.inference_mode()  # not no_grad: less dispatch overhead per proposal
     def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
         growing: list[_Growing | None] = [self._start(inp, noise, budget) for inp in inputs]
         frontier = [(g, 0) for g in growing if g is not None]
@@ -216,9 +216,8 @@ class SpotDrafter(BestFirstDrafter):
         refresh: int | None = None,
     ):
         """refresh None: the root's scores, renormalised over each node's remaining masked
-        positions, rank the whole tree (measured on sdar-tiny, block 32, budget 16, 40 prompts:
-        9.50 forwards per request against 9.57 re-evaluating every 4 levels, with the
-        drafter's share of wall time down from 12.4% to 7.2%)."""
+        positions, rank the whole tree: as good a tree as re-evaluating every few levels, for
+        one model call per proposal (docs/benchmarks.md §6.1)."""
         super().__init__(budget, per_round, branching, refresh)
         self.model = model.eval()
         self.top_k = model.config.top_k

@@ -125,13 +125,9 @@ class SpotSetsDrafter(BestFirstDrafter):
         refresh: int | None = None,
     ):
         """refresh None: the root's inclusion logits serve the whole tree. Threshold trees are
-        shallow (most walks stop at the first level), so evaluating every node buys little:
-        sdar-tiny, block 32, budget 16, 100 held-out prompts, one thread: 2.81 / 2.69 forwards
-        per request at threshold 0.9 / 0.7 against 2.83 / 2.69 evaluating every node, with
-        half the model calls and the drafter's share of wall time 9.7% against 16.6% / 14.7%.
-        Deeper llada-tiny trees lose some at large budgets (steps per forward at budget 16:
-        2.05 against 2.16) and gain at the small ones `auto` picks (budget 4: 1.68 against
-        1.56)."""
+        shallow (most walks stop at the first level), so evaluating every node buys little
+        for twice the model calls; deeper trees lose some at large budgets and gain at the
+        small ones `auto` picks (docs/benchmarks.md §6.1)."""
         super().__init__(budget, per_round, branching, refresh)
         self.model = model.eval()
         self.embed = embed
