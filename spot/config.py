@@ -1,4 +1,4 @@
-"""Decoding configuration of the target's own transition (DESIGN §1).
+"""Decoding configuration of the target's own transition (docs/design.md §1.3).
 
 Plain frozen dataclasses: `spot/` knows only torch and the standard library. The pipeline's
 pydantic job schema converts into these.

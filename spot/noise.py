@@ -2,7 +2,7 @@
 
 Every decoder draws the noise of step t of a request from the same key, so the target's
 transition is a deterministic function of (state, logits, key) and a drafted state can be
-checked by exact equality (DESIGN §1). Keys do not depend on batch size, batch order,
+checked by exact equality (docs/design.md §1.5). Keys do not depend on batch size, batch order,
 replica or tensor-parallel rank. The generator is counter-based integer arithmetic in
 tensor ops, so the noise is made where the logits are, with the same bits on any device.
 """

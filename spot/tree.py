@@ -1,4 +1,4 @@
-"""Block states, draft trees and the verification walk (DESIGN §1, steps 1-4).
+"""Block states, draft trees and the verification walk (docs/design.md §1.6, steps 1-4).
 
 Value types built and consumed by pure functions: a drafter builds a `DraftTree` of states
 descending from the root, the target scores every node, and `verify_walk` follows the target's

@@ -1,4 +1,4 @@
-"""Draft-free decoding gives what each family's own reference loop gives (DESIGN §1).
+"""Draft-free decoding gives what each family's own reference loop gives (docs/design.md §1.4).
 
 Tiny random checkpoints in each family's original format, saved and reloaded, decoded by
 `spot.decode.generate` (batched, with the exact KV cache where the family has one) and by the

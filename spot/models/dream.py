@@ -26,7 +26,7 @@ What the original checkpoint and code say (sources: the hub files `configuration
   top-k, softmax; the confidence is the sampled token's probability under that distribution
   ("tempered"); at T=0 the argmax and its softmax probability.
 
-Deviations of the native target from Dream's own `diffusion_generate`, by design (DESIGN §1):
+Deviations of the native target from Dream's `diffusion_generate`, by design (docs/design.md §1.4):
 blocks of the decode loop align to the end of the prompt with the project's per-block step
 schedule (an even split); Dream's timestep schedule `int(n * (1 - s/t))` and its `entropy` /
 `topk_margin` confidences are not reproduced; T>0 draws use the coupled Gumbel noise; and

@@ -43,7 +43,7 @@ inclusionAI/dInfer `python/dinfer/model/`, benchmarks and `decoding/`; dFactory
 
 Deviations: at temperature 0 the hub `generate` still draws with `torch.multinomial` from the
 untempered softmax (it only divides by T when T > 0); the native decoder takes the argmax
-there, as DESIGN §1 and the docstring of `generate` ("0.0 corresponds to greedy decoding")
+there, as docs/design.md §1.4 and the docstring of `generate` ("0.0 corresponds to greedy decoding")
 say. In bfloat16 the hub model casts `expert_bias` to bfloat16 with the rest of the module
 (`model.to(torch.bfloat16)`); so does `load_model(dtype=torch.bfloat16)`, and routing then
 adds it to the float32 scores just as the hub code does.

@@ -1,6 +1,6 @@
 """The native transformer behind the `spot.target.Target` interface.
 
-Two attention regimes (DESIGN §1):
+Two attention regimes (docs/design.md §1.2):
 - block-causal (SDAR, LLaDA2.0): each request keeps the exact KV cache of its final blocks.
   All windows of one request go into ONE row: a shared prefix of final-but-uncached blocks,
   then each candidate's own tokens; a token in block b attends the cache, and the tokens of
