@@ -103,7 +103,9 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     "--address",
     default=None,
     help="Ray cluster (dashboard address, e.g. http://head:8265) to submit to through the Ray "
-    "Jobs API; default: $RAY_ADDRESS, else an embedded local Ray.",
+    "Jobs API; a cluster with token authentication takes its token from $RAY_AUTH_TOKEN. "
+    "Default: $RAY_ADDRESS, else an embedded local Ray private to the run (127.0.0.1 only, "
+    "token authentication with a token made for the run).",
 )
 @click.option("--in-cluster", is_flag=True, hidden=True, help="Run inside a Ray job.")
 @click.option(
@@ -119,12 +121,18 @@ def submit(
     """Run JOB_FILE: generate every row not yet in its output, then write summary.json."""
     job = _load_or_exit(job_file, overrides)
     _plan_or_exit(job, job_file)
+    from pipeline.ray_auth import client_token_from_environment, use_loopback
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address and not in_cluster:
+        client_token_from_environment()
+    elif not in_cluster:
+        use_loopback()  # read by Ray when imported, just below
     from pipeline.runner import run_job, submit_to_cluster
 
     if in_cluster:
         run_job(job, ray_address="auto", echo=click.echo, progress_interval=progress_interval)
         return
-    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         submit_to_cluster(job, address, echo=click.echo)
         return

@@ -33,6 +33,7 @@ from pipeline.engine import Engine
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
+from pipeline.ray_auth import private_token
 from pipeline.schema import ID, SAMPLE_INDEX
 from pipeline.stages import AtomicParquetDatasink, expand_rows
 from pipeline.summary import build_summary
@@ -77,7 +78,8 @@ def rows_per_block(pending_rows: int, job: Job) -> int:
 @contextmanager
 def ray_session(job: Job, address: str | None) -> Iterator[None]:
     """Connect to `address`, reuse a running local Ray, or start an embedded one sized so
-    the read and write tasks always find a free CPU beside the replicas."""
+    the read and write tasks always find a free CPU beside the replicas, private to this run
+    (token authentication with a token made for it, see pipeline.ray_auth)."""
     if ray.is_initialized():
         yield
         return
@@ -88,20 +90,20 @@ def ray_session(job: Job, address: str | None) -> Iterator[None]:
         finally:
             ray.shutdown()
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster of this process
     temp_dir = tempfile.mkdtemp(prefix="spot-ray-")
     replica_cpus = math.ceil(job.resources.replicas * job.resources.num_cpus)
-    ray.init(
-        num_cpus=max(4, replica_cpus + 2),
-        _temp_dir=temp_dir,
-        include_dashboard=False,
-        configure_logging=False,
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with private_token():
+        ray.init(
+            num_cpus=max(4, replica_cpus + 2),
+            _temp_dir=temp_dir,
+            include_dashboard=False,
+            configure_logging=False,
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class _ProgressPrinter:

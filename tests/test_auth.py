@@ -1,0 +1,155 @@
+"""The embedded Ray of `spot-pipeline submit` is no open door, checked the way the open door
+was found: while a real job runs, other processes on this machine try to join its cluster
+with `ray.init(address=...)` and no token, at the machine's network address and at 127.0.0.1.
+Both are refused within a bounded time, the job completes, and nothing is written to ~/.ray."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.ray_auth import AUTH_MODE, AUTH_TOKEN, private_token
+from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = 500  # the job outlasts both clients' attempts (about 45 s): 90 s here with 400
+
+# A client joining a cluster and running code there; prints what happened. One connection
+# attempt (Ray retries 20 times by default, about 40 s each, when nothing answers).
+CLIENT = """
+import sys
+import ray
+try:
+    ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+    print("ran code:", ray.get(ray.remote(lambda: 1).remote(), timeout=30))
+except Exception as error:
+    print("refused:", type(error).__name__)
+"""
+
+
+def _network_address() -> str | None:
+    """This machine's first address that is not loopback (`hostname -I`)."""
+    try:
+        found = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    addresses = [a for a in found.stdout.split() if ":" not in a and not a.startswith("127.")]
+    return addresses[0] if addresses else None
+
+
+def _wait_for_gcs_port(temp: Path, job: subprocess.Popen, log: Path, seconds: float) -> int:
+    """The GCS port of the job's Ray, from the session folder under the job's TMPDIR."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ports = list(temp.glob("spot-ray-*/session_latest/gcs_server_port_*"))
+        if ports and ports[0].read_text().strip():
+            return int(ports[0].read_text())
+        assert job.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError("the job's Ray did not start")
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_client_without_the_token_is_refused_while_a_job_runs(tmp_path):
+    address = _network_address()
+    if address is None:
+        pytest.skip("this machine has no network address besides loopback")
+    make_tiny_sdar(tmp_path / "model")
+    prompts = write_prompts(
+        tmp_path / "prompts.parquet", {"id": list(range(ROWS)), "prompt": word_prompts(ROWS)}
+    )
+    job_file = tmp_path / "job.yaml"
+    job = job_dict(prompts, tmp_path / "model", tmp_path / "out", decoding={"gen_length": 128})
+    job_file.write_text(yaml.safe_dump(job))
+    temp = Path(tempfile.mkdtemp(prefix="auth-", dir="/tmp"))  # Ray's socket paths stay short
+    home = temp / "home"
+    home.mkdir()
+    base = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home), "TMPDIR": str(temp)}
+    for key in ("RAY_ADDRESS", AUTH_MODE, AUTH_TOKEN):
+        base.pop(key, None)
+    log = temp / "job.log"
+    running = None
+    try:
+        with log.open("w") as sink:
+            running = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "submit", str(job_file)],
+                cwd=REPO,
+                env={**base, AUTH_MODE: "disabled"},  # the job makes its own token regardless
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+            port = _wait_for_gcs_port(temp, running, log, seconds=240)
+            assert not _listening(address, port)  # nothing listens on the network address
+            assert _listening("127.0.0.1", port)  # the GCS is there, on loopback only
+            clients = {
+                "network": subprocess.Popen(
+                    [sys.executable, "-c", CLIENT, f"{address}:{port}"],
+                    env={**base, "RAY_NUM_REDIS_GET_RETRIES": "1"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+                "loopback": subprocess.Popen(  # Ray would rewrite 127.0.0.1 to the network one
+                    [sys.executable, "-c", CLIENT, f"127.0.0.1:{port}"],
+                    env={
+                        **base,
+                        "RAY_NUM_REDIS_GET_RETRIES": "1",
+                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                    },
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            }
+            started = time.monotonic()
+            said = {name: client.communicate(timeout=180) for name, client in clients.items()}
+            waited = time.monotonic() - started
+            assert running.poll() is None, "the job ended before the clients were refused"
+            assert running.wait(timeout=900) == 0, log.read_text()[-3000:]
+        for name, (stdout, stderr) in said.items():
+            assert "ran code" not in stdout, (name, stdout)
+            assert "refused: ConnectionError" in stdout, (name, stdout, stderr[-2000:])
+        assert "InvalidAuthToken" in said["loopback"][1]  # the GCS itself turned it away
+        assert waited < 120
+        out = log.read_text()
+        assert f"[progress] {ROWS}/{ROWS} rows (0 errors)" in out, out[-3000:]
+        assert not (home / ".ray").exists()
+        assert not list(temp.glob("spot-ray-*"))  # the run's Ray files are gone
+    finally:
+        if running is not None and running.poll() is None:
+            running.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_the_token_lives_only_as_long_as_the_cluster(monkeypatch):
+    monkeypatch.setenv(AUTH_MODE, "disabled")
+    monkeypatch.delenv(AUTH_TOKEN, raising=False)
+    with private_token() as first:
+        assert os.environ[AUTH_MODE] == "token" and os.environ[AUTH_TOKEN] == first
+    with private_token() as second:
+        assert second != first and len(second) == 64
+    assert os.environ[AUTH_MODE] == "disabled" and AUTH_TOKEN not in os.environ
+
+
+def test_submit_help_says_where_a_clusters_token_comes_from():
+    result = CliRunner().invoke(main, ["submit", "--help"])
+    assert result.exit_code == 0
+    assert "$RAY_AUTH_TOKEN" in " ".join(result.output.split())
