@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the bundled tokenizer, held-out prompts and targets in spot/builtin/ on CPU, then
-# prints their draft-free quality table (the one in the README). sdar-tiny trains alone on both
+# prints their draft-free quality table (docs/benchmarks.md §1). sdar-tiny trains alone on both
 # cores (about 52 minutes), then llada-tiny and sdar-nano side by side, one thread each (about
 # 22 minutes); loss logs go to $WORK.
 set -euo pipefail
