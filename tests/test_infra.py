@@ -101,6 +101,41 @@ def test_cluster_job_file_passes_the_job_schema():
     assert any(job.model.path.startswith(m + "/") for m in mounts)
 
 
+def _requires_the_secrets_token(container: dict) -> None:
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "spot-ray-auth",
+        "key": "auth_token",
+    }
+
+
+def test_every_ray_pod_and_the_submitter_require_the_secrets_token():
+    """Ray token authentication on KubeRay: the head, the workers and the RayJob's submitter
+    take RAY_AUTH_TOKEN from one Kubernetes Secret, and the files say how to make it."""
+    cluster = _load("kuberay/raycluster.yaml")["spec"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for container in [c for group in groups for c in _containers(group)]:
+        _requires_the_secrets_token(container)
+    job = _load("kuberay/rayjob.yaml")["spec"]  # its cluster is the one above (test above)
+    (submitter,) = job["submitterPodTemplate"]["spec"]["containers"]
+    _requires_the_secrets_token(submitter)
+    assert "command" not in submitter  # KubeRay supplies `ray job submit` from the entrypoint
+    for name in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"):
+        assert "kubectl create secret generic spot-ray-auth" in (INFRA / name).read_text()
+    assert "export RAY_AUTH_TOKEN=" in (INFRA / "kuberay/raycluster.yaml").read_text()
+
+
+def test_launcher_nodes_start_ray_with_the_token_of_an_env_file():
+    config = _load("aws/cluster.yaml")
+    (remote,) = [r for r, local in config["file_mounts"].items() if "ray-auth.env" in local]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in config[key] if "ray start" in c]
+        assert start.startswith(f"set -a && . {remote} && set +a &&"), start
+    text = (INFRA / "aws/cluster.yaml").read_text()
+    assert "RAY_AUTH_MODE=token" in text and "--address http://127.0.0.1:8265" in text
+
+
 def test_launcher_config_passes_rays_own_validation():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
