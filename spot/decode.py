@@ -1,18 +1,22 @@
 """The one decode loop: draft-free decoding is speculative decoding with an empty tree.
 
-Per iteration, for every active request of the batch (DESIGN §1):
+Per iteration, for every active request (DESIGN §1):
   1. the root is the exact next state (the previous iteration's successor);
   2. the drafter grows a tree of descendant states from the stale logits;
   3. one target forward scores every node of every request's tree;
   4. the commit rule gives each node's exact successor, and the walk accepts drafted nodes
      while they equal the target's own next state.
+Requests are batched continuously: up to `max_active` decode at once, each at its own block
+and step, and a finished request's place goes to the next waiting one in the same iteration.
+Since a request's transitions depend only on its own states, logits and coupled noise, its
+output does not depend on which requests share its forwards.
 The engine speaks token ids only; it knows nothing of tokenizers or files.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,11 +41,24 @@ class RequestStats:
     steps: int = 0  # transitions of the target's own decoding
     tree_nodes: int = 0  # states scored, roots included
     drafter_seconds: float = 0.0
-    wall_seconds: float = 0.0
+    wall_seconds: float = 0.0  # from the request's admission to its end
+    # this request's share of those forwards: 1/n of each forward over n requests. Summed
+    # over requests it counts the forwards, whatever the batches (`requests_per_forward`)
+    forward_share: float = 0.0
 
     @property
     def steps_per_forward(self) -> float:
         return self.steps / self.nfe if self.nfe else 0.0
+
+
+def requests_per_forward(stats: Iterable[RequestStats]) -> float:
+    """Mean number of requests per target forward over the forwards these requests took
+    part in (the requests of each forward all among them)."""
+    nfe, forwards = 0, 0.0
+    for s in stats:
+        nfe += s.nfe
+        forwards += s.forward_share
+    return nfe / forwards if forwards else 0.0
 
 
 @dataclass(frozen=True)
@@ -76,10 +93,12 @@ class WalkObserver(Protocol):
 @dataclass
 class _Active:
     index: int
+    key: int
     layout: Layout
     context: object
     sequence: torch.Tensor  # [total_length] tokens, positions before the root's origin final
     root: State
+    admitted: float  # time.perf_counter() when it began decoding
     stale_state: State | None = None
     stale_logits: torch.Tensor | None = None
     stale_hidden: torch.Tensor | None = None
@@ -88,34 +107,67 @@ class _Active:
 
 def generate(
     target: Target,
-    requests: Sequence[Request],
+    requests: Iterable[Request],
     config: DecodingConfig,
     drafter: Drafter | None = None,
     trace: Trace | None = None,
     on_walk: WalkObserver | None = None,
+    max_active: int | None = None,
 ) -> list[Result]:
-    """Decode a batch of requests; finished requests leave the batch."""
-    start = time.perf_counter()
+    """Decode `requests`; results in request order. max_active: how many decode at once
+    (None: all of them, one batch that shrinks as its requests finish)."""
+    results: dict[int, Result] = dict(
+        stream(target, requests, config, drafter, trace, on_walk, max_active)
+    )
+    return [results[i] for i in range(len(results))]
+
+
+def stream(
+    target: Target,
+    requests: Iterable[Request],
+    config: DecodingConfig,
+    drafter: Drafter | None = None,
+    trace: Trace | None = None,
+    on_walk: WalkObserver | None = None,
+    max_active: int | None = None,
+) -> Iterator[tuple[int, Result]]:
+    """Decode `requests` with continuous batching; yields (index in `requests`, result) as
+    requests finish. Up to `max_active` requests decode at once (None: all of them); a
+    request is taken from `requests` when a place is free, so `requests` may be a generator
+    that produces them as they come."""
+    if max_active is not None and max_active < 1:
+        raise ValueError(f"max_active must be at least 1, not {max_active}")
     confidence = config.confidence or target.confidence
     hidden = (drafter is not None and drafter.needs_hidden) or getattr(trace, "needs_hidden", False)
-    results: list[Result | None] = [None] * len(requests)
-    active = [_open(target, i, r, config) for i, r in enumerate(requests)]
+    waiting = enumerate(requests)
+    active: list[_Active] = []
     noise = StepNoise(config.seed, config.temperature)  # drafter and commit rule share it
-    while active:
-        active = [a for a in active if not _finish_if_done(a, results, start)]
+    while True:
+        # requests that ended leave, waiting ones take their places
+        for a in active:
+            if a.root.done:
+                yield a.index, _finish(a)
+        active = [a for a in active if not a.root.done]
+        while max_active is None or len(active) < max_active:
+            index, request = next(waiting, (None, None))
+            if request is None:
+                break
+            active.append(_open(target, index, request, config))
         if not active:
-            break
-        trees, drafted = _propose(drafter, active, requests, config, confidence, noise)
+            return
+        # 1-2. roots are the last successors; the drafter grows trees from the stale logits
+        trees, drafted = _propose(drafter, active, config, confidence, noise)
+        # 3. one forward scores every node of every tree
         verify_start = time.perf_counter()
         scores = _score(target, active, trees, config.block_length, hidden)
-        successors = _successors(active, trees, scores, requests, config, target, confidence, noise)
+        # 4. the commit rule's successors, and the walks through the trees
+        successors = _successors(active, trees, scores, config, target, confidence, noise)
         verify_seconds = time.perf_counter() - verify_start
-        drafted_steps, asked = 0, set(drafted)
-        offset = 0
+        drafted_steps, offset = 0, 0
         for i, (a, tree) in enumerate(zip(active, trees)):
             nodes = len(tree.nodes)
             path = verify_walk(tree, successors[offset : offset + nodes])
-            if i in asked:
+            if i in drafted:
                 drafted_steps += len(path)
             last = path[-1]
             if on_walk is not None:
@@ -127,6 +179,7 @@ def generate(
                         a.index, tree.nodes[n], scores.logits[offset + n], successors[offset + n], h
                     )
             a.stats.nfe += 1
+            a.stats.forward_share += 1 / len(active)
             a.stats.steps += len(path)
             a.stats.tree_nodes += nodes
             a.stale_state = tree.nodes[last]
@@ -136,11 +189,11 @@ def generate(
             offset += nodes
         if drafter is not None and drafted:
             drafter.observe_forward(verify_seconds, drafted_steps / len(drafted))
-        noise.keep_ahead((requests[a.index].key, a.root.step) for a in active if not a.root.done)
-    return results  # type: ignore[return-value]
+        noise.keep_ahead((a.key, a.root.step) for a in active if not a.root.done)
 
 
 def _open(target: Target, index: int, request: Request, config: DecodingConfig) -> _Active:
+    admitted = time.perf_counter()
     prompt = request.prompt.to(torch.long)
     layout = Layout.for_prompt(
         prompt.numel(),
@@ -161,7 +214,7 @@ def _open(target: Target, index: int, request: Request, config: DecodingConfig) 
     sequence[: prompt.numel()] = prompt
     context = target.open(prompt, layout.total_length)
     root = State(layout.first_block, layout.initial_block(prompt), 0, 0)
-    return _Active(index, layout, context, sequence, root)
+    return _Active(index, request.key, layout, context, sequence, root, admitted)
 
 
 def _rebase(a: _Active, state: State) -> State:
@@ -176,23 +229,22 @@ def _rebase(a: _Active, state: State) -> State:
     return State(end - b, state.span[-b:].clone(), state.step, state.block_step)
 
 
-def _finish_if_done(a: _Active, results: list[Result | None], start: float) -> bool:
-    if not a.root.done:
-        return False
+def _finish(a: _Active) -> Result:
+    """The result of a request whose root ended; its target context is let go (a KV cache
+    of its total length, on the target's device)."""
+    a.context = None
     layout = a.layout
     end = a.root.origin + a.root.span.numel()
     tokens = a.sequence[layout.prompt_length :].clone()
     tokens[end - layout.prompt_length :] = layout.eos_ids[0]
     is_eos = torch.isin(tokens[: end - layout.prompt_length], torch.tensor(layout.eos_ids))
-    a.stats.wall_seconds = time.perf_counter() - start
-    results[a.index] = Result(tokens, "eos" if bool(is_eos.any()) else "length", a.stats)
-    return True
+    a.stats.wall_seconds = time.perf_counter() - a.admitted
+    return Result(tokens, "eos" if bool(is_eos.any()) else "length", a.stats)
 
 
 def _propose(
     drafter: Drafter | None,
     active: list[_Active],
-    requests: Sequence[Request],
     config: DecodingConfig,
     confidence: ConfidenceName,
     noise: StepNoise,
@@ -210,7 +262,7 @@ def _propose(
             active[i].stale_state,
             active[i].stale_logits,
             active[i].stale_hidden,
-            requests[active[i].index].key,
+            active[i].key,
             config,
             confidence,
         )
@@ -219,7 +271,7 @@ def _propose(
     t0 = time.perf_counter()
     proposed = drafter.propose(inputs, noise, len(active))
     share = (time.perf_counter() - t0) / len(drafting)
-    for i, tree in zip(drafting, proposed):
+    for i, tree in zip(drafting, proposed, strict=True):
         if not tree.nodes[0].same_as(active[i].root):
             raise ValueError("a drafter must root its tree at the given root")
         trees[i] = tree
@@ -248,7 +300,6 @@ def _successors(
     active: list[_Active],
     trees: list[DraftTree],
     scores,
-    requests: Sequence[Request],
     config: DecodingConfig,
     target: Target,
     confidence: ConfidenceName,
@@ -264,7 +315,7 @@ def _successors(
     gumbel = None
     if config.temperature > 0.0:
         like = scores.logits[0]  # [B, V]
-        gumbel = [noise.gumbel(requests[a.index].key, node.step, like) for a, node in owners]
+        gumbel = [noise.gumbel(a.key, node.step, like) for a, node in owners]
     opening = torch.tensor([a.layout.opening_commit and node.block_step == 0 for a, node in owners])
     next_blocks = commit_rule(
         blocks, scores.logits, gumbel, k, config, target.mask_id, confidence, opening

@@ -306,3 +306,25 @@ def test_draft_free_meets_the_best_drafting_budget_not_the_smallest():
     chosen = iterate(auto, true, times=30)
     assert chosen[:6] == [1, 1] + [0, 3] * 2  # probed at 1, fell to 0, met 3
     assert chosen[-4:] == [3] * 4 and auto.chosen == {1: 3}
+
+
+def test_the_search_follows_the_requests_in_the_forward_not_the_ones_drafted_for():
+    """Continuous batching: a request admitted in an iteration has no stale logits yet and
+    gets no tree, but it is in the forward. Iterations of 8 requests, one in three with a
+    newcomer (7 drafted for), share the search of 8: the same budgets as 8 drafted for every
+    time, never a search of their own."""
+    clock = FakeClock()
+    cost = ForwardCost((1, 64), (1.0, 64.0))
+    steady = AutoBudget(TimedDrafter(clock), CURVE, cost, probe_calls=2, clock=clock)
+    expected = iterate(steady, cost, n=8, times=12)
+    auto = AutoBudget(TimedDrafter(clock), CURVE, cost, probe_calls=2, clock=clock)
+    chosen = []
+    for i in range(12):
+        drafted_for = 7 if i % 3 == 0 else 8
+        [budget, *_] = auto.propose([None] * drafted_for, None, 8)
+        chosen.append(budget)
+        auto.observe_forward(cost(8 * (budget + 1)), auto.steps[budget])
+    assert chosen == expected and auto.chosen == {8: 0} and len(auto.climbs) == 1
+    # as requests finish and none wait, the batch shrinks and the search follows its class
+    assert iterate(auto, cost, n=3, times=2) == [0, 0] and auto.chosen == {8: 0, 3: 0}
+    assert len(auto.climbs) == 2

@@ -1,12 +1,14 @@
-"""The one decode loop on a toy target: speculative == draft-free, batch invariance, stats."""
+"""The one decode loop on a toy target: speculative == draft-free, batch invariance, stats,
+continuous batching."""
 
 import itertools
+import weakref
 
 import pytest
 import torch
 
 from spot.config import DecodingConfig
-from spot.decode import Request, generate
+from spot.decode import Request, generate, requests_per_forward, stream
 from spot.drafting import Drafter
 from spot.noise import request_key
 from spot.tree import DraftTree, advance
@@ -50,8 +52,8 @@ class OracleDrafter(Drafter):
 CASES = list(itertools.product(["static", "threshold", "sdar_dynamic"], [0.0, 0.8], [False, True]))
 
 
-@pytest.mark.parametrize("rule,temperature,absolute", CASES)
-def test_random_trees_change_nothing(rule, temperature, absolute):
+def case(rule, temperature, absolute) -> tuple[ToyTarget, DecodingConfig]:
+    """A toy target and a decoding of 2 tokens per step under `rule`."""
     target = ToyTarget(seed=1, absolute_block_grid=absolute, sharpness=2.0)
     config = DecodingConfig(
         gen_length=24,
@@ -62,6 +64,12 @@ def test_random_trees_change_nothing(rule, temperature, absolute):
         threshold=0.6,
         seed=3,
     )
+    return target, config
+
+
+@pytest.mark.parametrize("rule,temperature,absolute", CASES)
+def test_random_trees_change_nothing(rule, temperature, absolute):
+    target, config = case(rule, temperature, absolute)
     requests = make_requests([3, 8, 13, 5])
     plain = generate(target, requests, config)
     drafted = generate(target, requests, config, drafter=RandomDrafter(seed=5, max_nodes=6))
@@ -166,3 +174,114 @@ def test_prompt_too_long_is_rejected():
     config = DecodingConfig(gen_length=16, block_length=4)
     with pytest.raises(ValueError, match="positions"):
         generate(target, make_requests([target.max_length]), config)
+
+
+# -- continuous batching -------------------------------------------------------------------------
+class Counting(ToyTarget):
+    """The toy target, counting the requests of each forward and keeping track of the contexts
+    still open (a context is let go once nothing refers to it)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.requests_per_forward: list[int] = []
+        self.opened: list[weakref.ref] = []
+
+    def open(self, prompt, total_length):
+        context = super().open(prompt, total_length)
+        self.opened.append(weakref.ref(context))
+        return context
+
+    @property
+    def live(self) -> int:
+        return sum(ref() is not None for ref in self.opened)
+
+    def score(self, contexts, windows, block_length, output_hidden=False):
+        self.requests_per_forward.append(len(contexts))
+        return super().score(contexts, windows, block_length, output_hidden)
+
+
+MAX_ACTIVE = [1, 3, 8, None]
+# requests that end at different iterations (EOS): 20, 12, 16, 4, 8, 4 and 16 forwards
+VARIED = dict(seed=1, sharpness=2.0), DecodingConfig(gen_length=24, block_length=4)
+
+
+@pytest.mark.parametrize("rule,temperature,absolute", CASES)
+@pytest.mark.parametrize("drafted", [False, True])
+def test_continuous_batching_decodes_each_request_as_a_static_batch_does(
+    rule, temperature, absolute, drafted
+):
+    """Requests of different lengths finish at different iterations and waiting ones take
+    their places, each at its own block and step: tokens, finish reasons, steps and forwards
+    per request are those of one static batch of all of them."""
+    target, config = case(rule, temperature, absolute)
+    requests = make_requests([3, 8, 13, 5, 1, 9, 4, 11, 7, 2])
+    drafter = RandomDrafter(seed=5, max_nodes=6) if drafted else None
+    static = generate(target, requests, config, drafter)
+    assert len({r.stats.nfe for r in static}) > 1  # requests do finish at different times
+    for max_active in MAX_ACTIVE:
+        continuous = generate(target, requests, config, drafter, max_active=max_active)
+        assert tokens(continuous) == tokens(static)
+        assert [r.finish_reason for r in continuous] == [r.finish_reason for r in static]
+        for s, c in zip(static, continuous):
+            per_request = (c.stats.steps, c.stats.nfe, c.stats.tree_nodes)
+            assert per_request == (s.stats.steps, s.stats.nfe, s.stats.tree_nodes)
+
+
+def test_a_finished_requests_place_goes_to_the_next_waiting_one_at_once():
+    """`stream` takes a request from its input only when a place is free, yields results as
+    requests finish, and lets a finished request's target context go."""
+    target, config = Counting(**VARIED[0]), VARIED[1]
+    alone = ToyTarget(**VARIED[0])
+    requests = make_requests([2, 7, 4, 9, 1, 6, 3])
+    taken = []
+
+    def arriving():
+        for r in requests:
+            taken.append(r)
+            yield r
+
+    finished = []
+    for index, result in stream(target, arriving(), config, max_active=3):
+        finished.append(index)
+        assert len(taken) <= 3 + len(finished) - 1  # taken once a place is free
+        assert target.live <= 3 - 1  # the finished one's context is gone
+        assert result.tokens.tolist() == tokens(generate(alone, [requests[index]], config))[0]
+    assert sorted(finished) == list(range(len(requests))) and finished != sorted(finished)
+    # every forward but the last few holds 3 requests: a place never stays empty while
+    # requests wait
+    counts = target.requests_per_forward
+    short = next(i for i, n in enumerate(counts) if n < 3)
+    assert set(counts[:short]) == {3} and counts[short:] == sorted(counts[short:], reverse=True)
+
+
+@pytest.mark.parametrize("max_active", [2, 3, None])
+def test_requests_per_forward_is_the_mean_over_the_target_forwards(max_active):
+    target, config = Counting(**VARIED[0]), VARIED[1]
+    results = generate(target, make_requests([2, 7, 4, 9, 1, 6, 3]), config, max_active=max_active)
+    counts = target.requests_per_forward
+    assert requests_per_forward(r.stats for r in results) == pytest.approx(
+        sum(counts) / len(counts)
+    )
+    assert sum(r.stats.nfe for r in results) == sum(counts)
+
+
+def test_the_drafter_is_told_the_requests_of_the_forward_not_only_those_drafted_for():
+    """A request admitted in this iteration has no stale logits yet and gets no tree, but it
+    is in the forward: `batch_size` counts it (what `budget: auto`'s search is keyed by)."""
+    target, config = Counting(**VARIED[0]), VARIED[1]
+    seen = []
+
+    class Recording(RandomDrafter):
+        def propose(self, inputs, noise, batch_size):
+            seen.append((batch_size, len(inputs), len(target.requests_per_forward)))
+            return super().propose(inputs, noise, batch_size)
+
+    generate(target, make_requests([2, 7, 4, 9, 1, 6, 3]), config, Recording(), max_active=3)
+    counts = target.requests_per_forward
+    assert all(size == counts[forward] for size, _, forward in seen)
+    assert any(drafting < size for size, drafting, _ in seen)  # newcomers mid-way
+
+
+def test_max_active_must_be_positive():
+    with pytest.raises(ValueError, match="max_active"):
+        generate(ToyTarget(), make_requests([3]), DecodingConfig(16, 4), max_active=0)

@@ -1,0 +1,103 @@
+"""Continuous batching on the bundled sdar-tiny target: whatever the number of requests
+decoding at once, each request's output is what SDAR's own loop gives (T=0) and what one
+static batch gives (T=0 and T=0.8, draft-free and with the shipped drafters), in float64,
+where equal inputs give equal decisions whatever shares the forward. Held-out prompts end
+after 23 to 55 forwards, so requests leave and enter at different iterations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
+from spot.budget import AutoBudget, ForwardCost
+from spot.builtin import builtin_drafter
+from spot.config import DecodingConfig
+from spot.decode import generate
+from spot.drafters.registry import acceptance_curve, load_drafter
+from tests import reference_loops as ref
+
+PROMPTS = 6
+
+
+@pytest.fixture(scope="module")
+def sdar_tiny():
+    """The target and its requests, decoded on one thread (a tiny model: faster so on a
+    shared machine)."""
+    tokenizer, target = load_model_and_tokenizer("builtin:sdar-tiny", "float64")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield target, encode(tokenizer, corpus_prompts("heldout", PROMPTS))
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def static(sdar_tiny):
+    """config -> draft-free results of all the requests in one batch, made once."""
+    target, requests = sdar_tiny
+    made = {}
+
+    def results(config: DecodingConfig):
+        if config not in made:
+            made[config] = generate(target, requests, config)
+        return made[config]
+
+    return results
+
+
+def _tokens(results) -> list[list[int]]:
+    return [r.tokens.tolist() for r in results]
+
+
+def test_continuous_batching_gives_what_sdars_own_loop_gives(sdar_tiny):
+    target, requests = sdar_tiny
+    config = DecodingConfig(gen_length=64, block_length=32)
+    results = generate(target, requests, config, max_active=3)
+    for request, result in zip(requests, results, strict=True):
+        prompt = request.prompt
+        x = ref.sdar_generate(
+            target.model,
+            prompt,
+            mask_id=target.mask_id,
+            gen_length=config.gen_length,
+            block_length=config.block_length,
+            denoising_steps=config.steps_per_block,
+            stop_ids=target.eos_ids,
+        )
+        p = prompt.numel()
+        n = int((x[p:] != target.mask_id).sum())  # the reference leaves masks after its stop
+        assert torch.equal(result.tokens[:n], x[p : p + n])
+        assert bool((result.tokens[n:] == target.eos_ids[0]).all())
+
+
+def _drafter(kind: str | None, target, rule: str):
+    if kind is None:
+        return None
+    if kind == "spot auto":  # the start-up choice and the search, forwards priced free
+        path = builtin_drafter("sdar-tiny", "spot", 32, rule)
+        curve = acceptance_curve("spot", path)
+        drafter = load_drafter("spot", path, max(curve.budgets), target)
+        return AutoBudget(drafter, curve, ForwardCost((1, 64), (0.01, 0.01)), probe_calls=2)
+    return load_drafter(kind, builtin_drafter("sdar-tiny", kind, 32, rule), 4, target)
+
+
+@pytest.mark.parametrize(
+    ("kind", "rule"),
+    [(None, "static"), ("spot", "static"), ("spiffy", "static"), ("spot auto", "static")]
+    + [(None, "threshold"), ("spot-sets", "threshold")],
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_continuous_batching_is_token_identical_to_a_static_batch(
+    sdar_tiny, static, kind, rule, temperature
+):
+    target, requests = sdar_tiny
+    config = DecodingConfig(gen_length=64, block_length=32, rule=rule, temperature=temperature)
+    expected = static(config)
+    assert len({r.stats.nfe for r in expected}) > 2
+    for max_active in (1, 2) if kind is None else (2,):
+        drafter = _drafter(kind, target, rule)
+        results = generate(target, requests, config, drafter, max_active=max_active)
+        assert _tokens(results) == _tokens(expected)
+        assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
+        if drafter is not None:
+            assert sum(r.stats.nfe for r in results) < sum(r.stats.nfe for r in expected)
