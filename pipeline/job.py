@@ -297,6 +297,18 @@ class Job(_Section):
         return self
 
     @model_validator(mode="after")
+    def _sharded_dtype(self) -> Job:
+        from spot.models.tensor_parallel import SHARDED_DTYPES
+
+        degree, dtype = self.model.tensor_parallel, self.model.dtype
+        if degree > 1 and dtype not in SHARDED_DTYPES:
+            raise ValueError(
+                f"model.dtype: tensor_parallel {degree} shards with DeepSpeed, which runs "
+                f"{' or '.join(SHARDED_DTYPES)}, not {dtype}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _chat_input_needs_template(self) -> Job:
         for key in ("messages_column", "system_prompt"):
             if getattr(self.input, key) is not None and not self.input.chat_template:

@@ -64,6 +64,10 @@ DEFAULT_GRAIN = 64
 RENDEZVOUS_TIMEOUT = timedelta(minutes=15)  # the first start compiles the CPU all-reduce op
 # workers wait for the next command as long as the replica lives (it may idle between blocks)
 CONTROL_TIMEOUT = timedelta(days=7)
+# what deepspeed.init_inference shards on CPUs and GPUs alike (float16 runs on GPUs only);
+# never float64: DeepSpeed refuses it, and its CPU shared-memory all-reduce would return
+# float64 tensors unreduced on CPUs with AVX-512
+SHARDED_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -148,32 +152,22 @@ def grain_size(model: nn.Module, degree: int) -> int:
 
 
 def shard_model(model: nn.Module, degree: int) -> nn.Module:
-    """The model sharded in place over the current process group's `degree` ranks.
-
-    DeepSpeed casts the model to its config dtype first and accepts only float32 / bfloat16
-    (/ float16 on GPUs); the model is already in the requested dtype, so that cast is skipped,
-    which is what keeps a float64 model float64 (exactness tests)."""
-    from deepspeed.inference.config import DeepSpeedInferenceConfig
-    from deepspeed.inference.engine import InferenceEngine
+    """The model sharded in place over the current process group's `degree` ranks, through
+    DeepSpeed's public `init_inference`, in the model's own dtype (DeepSpeed refuses dtypes
+    its accelerator does not run, float64 among them)."""
+    import deepspeed
 
     from spot.models.transformer import DecoderLayer
 
-    class KeepDtypeEngine(InferenceEngine):
-        def _convert_to_dtype(self, config) -> None:
-            """The model is loaded in the requested dtype already."""
-
     dtype = next(model.parameters()).dtype
-    config = DeepSpeedInferenceConfig(
+    engine = deepspeed.init_inference(
+        model,
         tensor_parallel={"tp_size": degree, "tp_grain_size": grain_size(model, degree)},
+        dtype=dtype,
         replace_with_kernel_inject=False,
-        dtype=dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32,
         injection_policy={DecoderLayer: row_parallel_names(model)},
     )
-    sharded = KeepDtypeEngine(model, config=config).module
-    dtypes = {p.dtype for p in sharded.parameters() if p.is_floating_point()}
-    if dtypes != {dtype}:
-        raise RuntimeError(f"sharding changed the model's dtype {dtype} to {dtypes}")
-    return sharded.eval()
+    return engine.module.eval()
 
 
 def load_shard(spec: ModelSpec, degree: int, device: str):
@@ -226,23 +220,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _check_all_reduce(dtype: torch.dtype, device: str) -> None:
-    """DeepSpeed's CPU shared-memory all-reduce returns float64 tensors unreduced on CPUs
-    with AVX-512 (it reduces only float32/bfloat16/float16); refuse to decode wrong."""
-    import deepspeed.comm as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    target_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
-    value = torch.full((8, 16), float(rank + 1), dtype=dtype, device=target_device)
-    dist.inference_all_reduce(value)
-    expected = world * (world + 1) / 2
-    if not bool((value == expected).all()):
-        raise RuntimeError(
-            f"DeepSpeed's all-reduce does not sum {dtype} tensors on this machine "
-            f"(got {value.flatten()[0].item()}, expected {expected}); use float32 or bfloat16"
-        )
 
 
 class _Ranks:
@@ -393,10 +370,13 @@ class TensorParallelGroup:
         self.ranks.broadcast(command)
 
     def load(self, model: ModelSpec) -> ShardedTarget:
+        if model.dtype not in SHARDED_DTYPES:  # refused here, before the other ranks load it
+            raise ValueError(
+                f"tensor parallelism runs {' or '.join(SHARDED_DTYPES)}, not {model.dtype}"
+            )
         ident = len(self.targets)
         self.send(_Load(ident, model))
         local = load_shard(model, self.spec.degree, self.spec.device)
-        _check_all_reduce(DTYPES[model.dtype], self.spec.device)
         target = ShardedTarget(self, ident, local)
         self.targets.append(target)
         return target
@@ -499,12 +479,7 @@ def serve(ranks: _Ranks) -> None:
     contexts, run the same forwards (their results are rank 0's to use)."""
     group = ranks.group
 
-    def load(model: ModelSpec):
-        target = load_shard(model, group.degree, group.device)
-        _check_all_reduce(DTYPES[model.dtype], group.device)
-        return target
-
-    follower = Follower(load)
+    follower = Follower(lambda model: load_shard(model, group.degree, group.device))
     while (command := ranks.broadcast(None)) is not None:
         follower.apply(command)
 
