@@ -14,6 +14,7 @@ PIP=("$PYTHON" -m pip install --no-cache-dir --disable-pip-version-check)
 "$PYTHON" - <<'PY'
 import deepspeed, ray, torch, transformers
 import pipeline.cli, spot.models.tensor_parallel, spot.decode
+from deepspeed import init_distributed, init_inference  # what tensor_parallel calls
 from ray.job_submission import JobSubmissionClient  # Jobs API (ray[default])
 print(f"torch {torch.__version__} (cuda {torch.version.cuda}), ray {ray.__version__}, "
       f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}")
