@@ -17,12 +17,11 @@ import hashlib
 import json
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -33,6 +32,8 @@ DATA_DIR = "data"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
 PARTIAL_SUFFIX = ".partial"
+KEYS = [ID, SAMPLE_INDEX]
+READ_BATCH_ROWS = 65_536
 
 
 class OutputDir:
@@ -74,19 +75,27 @@ class OutputDir:
             self.filesystem.delete_file(path)
         return len(stale)
 
-    def read(self, columns: list[str] | None = None) -> pa.Table | None:
-        files = self.part_files()
-        if not files:
-            return None
-        dataset = pds.dataset(files, filesystem=self.filesystem, format="parquet")
-        return dataset.to_table(columns=columns)
+    def read(self, columns: list[str]) -> pa.Table | None:
+        """`columns` of every row (None before the first part); name the few you need."""
+        batches = list(self.batches(columns))
+        return pa.Table.from_batches(batches) if batches else None
 
-    def done_keys(self) -> pa.Array:
-        """`id<US>sample_index` of every row already written (the resume set)."""
-        table = self.read([ID, SAMPLE_INDEX])
-        if table is None:
-            return pa.array([], pa.string())
-        return row_keys(table.column(ID), table.column(SAMPLE_INDEX))
+    def batches(
+        self, columns: list[str], files: list[str] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """`columns` of the rows of `files` (default: every part), a batch at a time: what the
+        driver counts streams through it, and the prompts, completions and token ids of a
+        large output are never read at all. One file at a time: a dataset over every part
+        would keep each part's footer in memory, more than the columns themselves."""
+        for path in self.part_files() if files is None else files:
+            with self.filesystem.open_input_file(path) as file:
+                yield from pq.ParquetFile(file).iter_batches(READ_BATCH_ROWS, columns=columns)
+
+    def done_keys(self, files: list[str] | None = None) -> pa.Array:
+        """`id<US>sample_index` of every row already written in `files` (default: every
+        part): the resume set, read from the two key columns alone."""
+        keys = [row_keys(b.column(ID), b.column(SAMPLE_INDEX)) for b in self.batches(KEYS, files)]
+        return pa.concat_arrays(keys) if keys else pa.array([], pa.string())
 
     def read_summary(self) -> dict[str, Any] | None:
         if self.filesystem.get_file_info(self.summary).type != pafs.FileType.File:

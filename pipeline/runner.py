@@ -26,17 +26,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
-import torch
 from ray.data import ActorPoolStrategy, DataContext
 
-from pipeline.engine import Engine
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
 from pipeline.ray_auth import private_token
-from pipeline.schema import ID, SAMPLE_INDEX
 from pipeline.stages import AtomicParquetDatasink, expand_rows
-from pipeline.summary import build_summary
+from pipeline.summary import build_summary, output_totals
 from spot.builtin import is_builtin
 
 Echo = Callable[[str], None]
@@ -48,9 +45,14 @@ MAX_BATCHES_PER_BLOCK = 32
 
 
 class GenerationActor:
-    """One replica: builds the engine once, then maps batches of rows to output rows."""
+    """One replica: builds the engine once, then maps batches of rows to output rows.
+    (torch is imported here, in the replica: the driver never loads it.)"""
 
     def __init__(self, job: Job):
+        import torch
+
+        from pipeline.engine import Engine
+
         torch.set_num_threads(max(1, round(job.resources.num_cpus)))
         self.engine = Engine(job)
 
@@ -58,15 +60,21 @@ class GenerationActor:
         return self.engine.process(batch)
 
 
-def count_pending(plan: InputPlan, samples: int, done: pa.Array) -> int:
-    """(row, sample) pairs of the input not yet in the output."""
+def count_pending(plan: InputPlan, samples: int, done: pa.Array, slice_rows: int = 1 << 18) -> int:
+    """(row, sample) pairs of the input not yet in the output. The input's keys are matched
+    a slice at a time (at most 8 slices per sample): the hash sets are built over a slice,
+    not over every key written, so the driver holds little beside the keys themselves."""
     if len(done) == 0:
         return plan.num_rows * samples
-    pending = 0
+    step = max(slice_rows, math.ceil(plan.num_rows / 8))
+    written = 0
     for sample in range(samples):
-        keys = row_keys(plan.keys, pa.array(np.full(plan.num_rows, sample, dtype=np.int64)))
-        pending += len(keys) - pc.sum(pc.is_in(keys, value_set=done).cast(pa.int64())).as_py()
-    return pending
+        for start in range(0, plan.num_rows, step):
+            ids = plan.keys.slice(start, step)
+            keys = row_keys(ids, pa.array(np.full(len(ids), sample, dtype=np.int64)))
+            found = done.filter(pc.is_in(done, value_set=keys))  # written keys of this slice
+            written += pc.sum(pc.is_in(keys, value_set=found).cast(pa.int64())).as_py()
+    return plan.num_rows * samples - written
 
 
 def rows_per_block(pending_rows: int, job: Job) -> int:
@@ -171,7 +179,8 @@ def run_job(
     plan = plan_input(job.input)
     output = OutputDir(job.output.path)
     output.remove_partial_files()
-    done = output.done_keys()
+    written_before = output.part_files()
+    done = output.done_keys(written_before)
     pending = count_pending(plan, job.decoding.samples_per_prompt, done)
     echo(
         f"[{job.name}] {plan.num_rows} input rows x {job.decoding.samples_per_prompt} samples; "
@@ -190,10 +199,11 @@ def run_job(
         raise
     finally:
         wall = time.perf_counter() - start
-        table = output.read()
+        new_parts = set(output.part_files()) - set(written_before)
+        counted, written = output_totals(output, new_parts)
         previous = output.read_summary() or {}
-        this_run = _run_record(job, table, done, started, wall, progress.samples, failure)
-        summary = build_summary(job, table, [*previous.get("runs", []), this_run])
+        this_run = _run_record(job, written, started, wall, progress.samples, failure)
+        summary = build_summary(job, counted, [*previous.get("runs", []), this_run])
         output.write_summary(summary)
     totals = summary["totals"]
     echo(
@@ -266,21 +276,15 @@ def replica_rows(
 
 def _run_record(
     job: Job,
-    table: pa.Table | None,
-    done_before: pa.Array,
+    written: dict[str, Any],
     started: str,
     wall: float,
     samples: list[list[float]],
     failure: str | None,
 ) -> dict[str, Any]:
-    """This run's share of the output: rows and tokens not written before it."""
-    rows = tokens = 0
-    if table is not None:
-        new = pc.invert(
-            pc.is_in(row_keys(table.column(ID), table.column(SAMPLE_INDEX)), done_before)
-        )
-        rows = int(pc.sum(new.cast(pa.int64())).as_py() or 0)
-        tokens = int(pc.sum(pc.filter(table.column("num_generated_tokens"), new)).as_py() or 0)
+    """This run's share of the output: the totals of the parts it wrote (a part holds only
+    rows that were not written before, so new parts are exactly the new rows)."""
+    rows, tokens = written["rows"], written["generated_tokens"]
     return {
         "status": "failed" if failure else "succeeded",
         "error": failure,

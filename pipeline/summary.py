@@ -1,16 +1,22 @@
 """summary.json: the resolved job, versions, and totals over everything the output holds.
 
 Totals are computed from the part files themselves, so a resumed job's summary covers all
-its runs; `runs` keeps each run's wall time and progress samples (tokens/s over time).
+its runs; `runs` keeps each run's wall time and progress samples (tokens/s over time). They
+stream through a few numeric and short columns of the parts, so the driver's memory does not
+grow with the corpus.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import platform
 import subprocess
 import sys
 import tomllib
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.job import Job
+from pipeline.output import OutputDir
 
 _LIBRARIES = (
     "spot-pipeline",
@@ -77,48 +84,118 @@ def _source_commit() -> str | None:
     return commit.stdout.strip() + ("+modified" if dirty.stdout.strip() else "")
 
 
-def _column(table: pa.Table, name: str, ok: pa.Array) -> np.ndarray:
-    return pc.filter(table.column(name), ok).to_numpy(zero_copy_only=False).astype(np.float64)
+COUNTED = [
+    "error",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "nfe",
+    "steps",
+    "accepted_steps_per_forward",
+]
+"""The output columns the totals read: never the prompts, completions or token ids."""
 
 
-def totals(table: pa.Table | None) -> dict[str, Any]:
-    """Row, error, token and NFE totals of the output rows."""
-    if table is None or table.num_rows == 0:
-        return {"rows": 0, "errors": 0, "generated_tokens": 0}
-    ok = pc.is_null(table.column("error"))
-    nfe = _column(table, "nfe", ok)
-    steps = _column(table, "steps", ok)
-    tokens = _column(table, "num_generated_tokens", ok)
-    accepted = _column(table, "accepted_steps_per_forward", ok)
-    reasons = pc.value_counts(table.column("finish_reason")).to_pylist()
-    errors = pc.drop_null(table.column("error"))
-    error_kinds = pc.value_counts(pc.utf8_slice_codeunits(errors, 0, 40)).to_pylist()
-    out: dict[str, Any] = {
-        "rows": table.num_rows,
-        "errors": len(errors),
-        "generated_tokens": int(tokens.sum()),
-        "prompt_tokens": int(_column(table, "num_prompt_tokens", ok).sum()),
-        "finish_reasons": {r["values"]: r["counts"] for r in reasons},
-        "error_kinds": {r["values"]: r["counts"] for r in error_kinds},
-    }
-    if nfe.size:
-        out.update(
-            {
-                "nfe_mean": float(nfe.mean()),
-                "nfe_p50": float(np.percentile(nfe, 50)),
-                "nfe_p95": float(np.percentile(nfe, 95)),
-                "nfe_total": int(nfe.sum()),
-                "steps_per_nfe": float(steps.sum() / nfe.sum()),
-                "accepted_steps_per_forward_mean": float(accepted.mean()),
-                "generated_tokens_per_nfe": float(tokens.sum() / nfe.sum()),
-            }
-        )
-    return out
+@dataclass
+class Totals:
+    """Row, error, token and NFE totals of output rows, added a batch at a time from the
+    COUNTED columns. Memory does not grow with the rows: NFE, an integer, is kept as a
+    histogram of its values, from which its percentiles are exact."""
+
+    rows: int = 0
+    errors: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+    accepted_sum: float = 0.0
+    nfe: Counter[int] = field(default_factory=Counter)
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+    error_kinds: Counter[str] = field(default_factory=Counter)
+
+    def add(self, batch: pa.RecordBatch | pa.Table) -> None:
+        """Count the rows of `batch` (it needs the COUNTED columns only)."""
+        errors = batch.column("error")
+        ok = pc.is_null(errors)
+        generated = batch.filter(ok)
+        self.rows += batch.num_rows
+        self.errors += batch.num_rows - generated.num_rows
+        self.generated_tokens += _sum(generated.column("num_generated_tokens"))
+        self.prompt_tokens += _sum(generated.column("num_prompt_tokens"))
+        self.steps += _sum(generated.column("steps"))
+        self.accepted_sum += _sum(generated.column("accepted_steps_per_forward"))
+        self.nfe.update(_value_counts(pc.drop_null(generated.column("nfe"))))
+        self.finish_reasons.update(_value_counts(batch.column("finish_reason")))
+        kinds = pc.utf8_slice_codeunits(pc.drop_null(errors), 0, 40)
+        self.error_kinds.update(_value_counts(kinds))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary's `totals`."""
+        if self.rows == 0:
+            return {"rows": 0, "errors": 0, "generated_tokens": 0}
+        out: dict[str, Any] = {
+            "rows": self.rows,
+            "errors": self.errors,
+            "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reasons": dict(self.finish_reasons),
+            "error_kinds": dict(self.error_kinds),
+        }
+        generated = self.nfe.total()
+        nfe_total = sum(value * count for value, count in self.nfe.items())
+        if generated:
+            out.update(
+                {
+                    "nfe_mean": nfe_total / generated,
+                    "nfe_p50": histogram_percentile(self.nfe, 50),
+                    "nfe_p95": histogram_percentile(self.nfe, 95),
+                    "nfe_total": nfe_total,
+                    "steps_per_nfe": self.steps / nfe_total,
+                    "accepted_steps_per_forward_mean": self.accepted_sum / generated,
+                    "generated_tokens_per_nfe": self.generated_tokens / nfe_total,
+                }
+            )
+        return out
 
 
-def build_summary(job: Job, table: pa.Table | None, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The whole summary; `runs` are this output's runs, the newest last."""
-    counted = totals(table)
+def _sum(column: pa.Array | pa.ChunkedArray) -> Any:
+    return pc.sum(column).as_py() or 0
+
+
+def _value_counts(column: pa.Array | pa.ChunkedArray) -> dict[Any, int]:
+    counts = pc.value_counts(column)
+    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
+
+
+def histogram_percentile(counts: Counter[int], q: float) -> float:
+    """`np.percentile(values, q)` (linear interpolation) of the values that `counts` holds."""
+    ordered = sorted(counts)
+    values = np.array(ordered, dtype=np.float64)
+    ends = np.cumsum([counts[v] for v in ordered])  # rank after each value's last copy
+    position = q / 100 * (ends[-1] - 1)
+    below = math.floor(position)
+    a, b = values[np.searchsorted(ends, [below + 1, min(below + 2, ends[-1])])]
+    fraction = position - below
+    if fraction >= 0.5:  # numpy's lerp, the same on both sides of the halfway point
+        return float(b - (b - a) * (1 - fraction))
+    return float(a + (b - a) * fraction)
+
+
+def output_totals(output: OutputDir, new: Collection[str] = ()) -> tuple[dict, dict]:
+    """Totals over every part of `output`, and over its parts in `new` (one run's)."""
+    new_files = set(new)
+    everything, this_run = Totals(), Totals()
+    old = [path for path in output.part_files() if path not in new_files]
+    for batch in output.batches(COUNTED, old):
+        everything.add(batch)
+    for batch in output.batches(COUNTED, sorted(new_files)):
+        everything.add(batch)
+        this_run.add(batch)
+    return everything.as_dict(), this_run.as_dict()
+
+
+def build_summary(job: Job, counted: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole summary from the output's totals (`output_totals`); `runs` are this
+    output's runs, the newest last."""
     wall = sum(r["wall_seconds"] for r in runs)
     replica_hours = sum(r["wall_seconds"] * r["replicas"] for r in runs) / 3600.0
     cost = replica_hours * job.cost.replica_hour_price(job.resources.num_gpus)

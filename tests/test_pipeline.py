@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pds
@@ -23,9 +26,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.job import Job, parse_job
-from pipeline.output import OutputDir, write_atomically, write_part
-from pipeline.runner import GenerationActor, run_job
+from pipeline.output import OutputDir, row_keys, write_atomically, write_part
+from pipeline.runner import GenerationActor, count_pending, run_job
 from pipeline.schema import GENERATED_FIELDS
+from pipeline.summary import Totals, histogram_percentile
 from tests.pipeline_fixtures import (
     by_key,
     job_dict,
@@ -83,10 +87,17 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "model": make_tiny_sdar(root / "model"), "prompts": prompts_file}
 
 
-def _job(setup, name: str, temperature: float, replicas: int, batch_size: int) -> Job:
+def _job(
+    setup,
+    name: str,
+    temperature: float,
+    replicas: int,
+    batch_size: int,
+    prompts: Path | None = None,
+) -> Job:
     return parse_job(
         job_dict(
-            setup["prompts"],
+            prompts or setup["prompts"],
             setup["model"],
             setup["root"] / name,
             decoding={"temperature": temperature, "samples_per_prompt": SAMPLES},
@@ -287,3 +298,113 @@ def test_a_write_that_dies_leaves_no_visible_file(tmp_path):
     assert write_part(output, [table.slice(1), table.slice(0, 1)]) == 2  # a retried write
     [part] = output.part_files()  # ... replaces its own file
     assert pq.read_table(part).num_rows == 2
+
+
+def _make_unreadable(part: str, columns: tuple[str, ...]) -> None:
+    """Overwrite the column chunks of `columns` with garbage (the footer stays valid)."""
+    metadata = pq.ParquetFile(part).metadata
+    with open(part, "r+b") as file:
+        for group in range(metadata.num_row_groups):
+            for index in range(metadata.num_columns):
+                chunk = metadata.row_group(group).column(index)
+                if chunk.path_in_schema.split(".")[0] in columns:
+                    file.seek(chunk.dictionary_page_offset or chunk.data_page_offset)
+                    file.write(b"\xff" * chunk.total_compressed_size)
+
+
+def test_resume_and_summary_never_read_prompts_completions_or_token_ids(setup, sampled_one_replica):
+    """The output of `sampled_one_replica` with its prompt, completion and token-id columns
+    made unreadable: submitting its job again finds nothing to do and sums the same totals,
+    and a job with two more input rows generates just those and counts everything."""
+    reference, first = sampled_one_replica
+    job = _job(setup, "unreadable", 0.8, replicas=1, batch_size=8)
+    out = Path(job.output.path)
+    shutil.copytree(reference / "data", out / "data")
+    text = ("prompt", "completion", "completion_token_ids")
+    for part in OutputDir(str(out)).part_files():
+        _make_unreadable(part, text)
+    with pytest.raises(OSError):
+        pq.read_table(out / "data", columns=["completion"])
+
+    lines: list[str] = []
+    again = run_job(job, echo=lines.append)
+    assert f"{first['totals']['rows']} already written, 0 to generate" in lines[0]
+    assert again["totals"] == first["totals"]
+
+    source = pq.read_table(setup["prompts"])
+    more = pa.table(
+        {"id": ["n0", "n1"], "prompt": word_prompts(GOOD + 2)[GOOD:], "source": ["n0", "n1"]}
+    )
+    bigger = setup["root"] / "more-prompts.parquet"
+    pq.write_table(pa.concat_tables([source, more.cast(source.schema)]), bigger)
+    grown = run_job(_job(setup, "unreadable", 0.8, 1, 8, prompts=bigger), echo=lambda line: None)
+    new_rows = 2 * SAMPLES
+    assert grown["runs"][-1]["rows_written"] == new_rows
+    assert grown["totals"]["rows"] == first["totals"]["rows"] + new_rows
+    written = pq.read_table(out / "data", columns=["id", "num_generated_tokens", "error"])
+    new = written.filter(pds.field("id").isin(["n0", "n1"]))
+    assert new.num_rows == new_rows and new.column("error").null_count == new_rows
+    assert grown["totals"]["generated_tokens"] == first["totals"]["generated_tokens"] + sum(
+        new.column("num_generated_tokens").to_pylist()
+    )
+
+
+def test_totals_stream_batch_by_batch_with_exact_percentiles():
+    rng = np.random.default_rng(0)
+    n = 1001
+    ok = rng.random(n) > 0.1
+    nfe = rng.integers(1, 90, n)
+    steps = nfe * rng.integers(1, 4, n)
+    tokens = rng.integers(0, 64, n)
+    table = pa.table(
+        {
+            "error": [None if good else f"generation failed: {i % 3}" for i, good in enumerate(ok)],
+            "finish_reason": np.where(ok, np.where(tokens > 32, "eos", "length"), "error"),
+            "num_prompt_tokens": rng.integers(5, 50, n),
+            "num_generated_tokens": pa.array(tokens, mask=~ok),
+            "nfe": pa.array(nfe, mask=~ok),
+            "steps": pa.array(steps, mask=~ok),
+            "accepted_steps_per_forward": pa.array(steps / nfe, mask=~ok),
+        }
+    )
+    streamed = Totals()
+    for batch in table.to_batches(max_chunksize=97):
+        streamed.add(batch)
+    got = streamed.as_dict()
+    assert got["rows"] == n and got["errors"] == n - ok.sum()
+    assert got["generated_tokens"] == tokens[ok].sum()
+    assert got["prompt_tokens"] == table.column("num_prompt_tokens").to_numpy()[ok].sum()
+    assert got["finish_reasons"] == dict(Counter(table.column("finish_reason").to_pylist()))
+    assert got["error_kinds"] == {
+        f"generation failed: {k}": sum(1 for i in range(n) if not ok[i] and i % 3 == k)
+        for k in range(3)
+    }
+    assert got["nfe_mean"] == pytest.approx(nfe[ok].mean())
+    assert got["nfe_total"] == nfe[ok].sum()
+    assert (got["nfe_p50"], got["nfe_p95"]) == (
+        np.percentile(nfe[ok], 50),
+        np.percentile(nfe[ok], 95),
+    )
+    assert got["steps_per_nfe"] == pytest.approx(steps[ok].sum() / nfe[ok].sum())
+    assert got["accepted_steps_per_forward_mean"] == pytest.approx((steps / nfe)[ok].mean())
+    assert got["generated_tokens_per_nfe"] == pytest.approx(tokens[ok].sum() / nfe[ok].sum())
+    for values in (nfe, np.array([7]), np.array([3, 3, 3, 9]), rng.integers(0, 5, 17)):
+        for q in (0, 1, 5, 25, 50, 62.5, 95, 99.9, 100):
+            assert histogram_percentile(Counter(values.tolist()), q) == np.percentile(values, q)
+    assert Totals().as_dict() == {"rows": 0, "errors": 0, "generated_tokens": 0}
+
+
+def test_pending_count_is_exact_whatever_the_slice():
+    """count_pending matches its keys a slice at a time: every slicing gives the count a
+    key-by-key check gives, duplicated ids counted once per row."""
+    rng = np.random.default_rng(1)
+    ids = [f"r{i}" for i in rng.integers(0, 40, 60)] + ["\x00null"]
+    plan = SimpleNamespace(keys=pa.array(ids), num_rows=len(ids))
+    written = {(f"r{i}", int(s)) for i, s in zip(rng.integers(0, 50, 70), rng.integers(0, 3, 70))}
+    written |= {("\x00null", 0), ("gone", 1)}  # a row without id; a row no longer in the input
+    done = row_keys(pa.array([i for i, _ in written]), pa.array([s for _, s in written]))
+    expected = sum((i, s) not in written for i in ids for s in range(3))
+    assert 0 < expected < 3 * len(ids)
+    for slice_rows in (1, 7, 64, 1 << 18):
+        assert count_pending(plan, 3, done, slice_rows=slice_rows) == expected
+    assert count_pending(plan, 2, pa.array([], pa.string())) == 2 * len(ids)
