@@ -5,12 +5,14 @@ ids found.
 
 JSON Lines are read line by line (`JsonlReader`), not by Arrow's JSON reader, which fails a
 whole file on one bad line: a line that is not a JSON object, or a value that does not fit
-its column, becomes a row whose `_row_error` says why (file and line when no id can be read),
-and every other row is read. A column's type is the one its values share (integers and
-floats widen to floats); a column whose values have different JSON types is carried as text
-(JSON text for the values that are not strings), except the id column (ids as text: the
-noise key of an id is its text, so completions do not change), the prompt column (text; any
-other value is the row's error) and the messages column (a list of role/content turns).
+its column, becomes a row whose `_row_error` says why, and every other row is read. A line
+that is not a JSON object gets `FILE:LINE` as its id (`location`) and the error names file
+and line. Ids of JSON Lines are text, whatever their JSON type, so the output's id type does
+not depend on which lines could be read (the noise key of an id is its text: completions do
+not change). Another column's type is the one its values share (integers and floats widen
+to floats); a column whose values have different JSON types is carried as text (JSON text
+for the values that are not strings). The prompt column is text (any other value is the
+row's error), the messages column a list of role/content turns.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pipeline.job import InputConfig, JobError, resolve_path
 from pipeline.prompts import messages_problem
 from pipeline.schema import GENERATED_FIELDS, ID, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
 
+NULL_KEY = "\x00null"  # the key of a row without an id: no real id equals it
 JSONL_BATCH_ROWS = 1024  # rows per table the JSON Lines reader yields
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -103,7 +106,7 @@ def id_keys(ids: pa.Array | pa.ChunkedArray) -> pa.Array:
     """Ids as strings, the form they take in resume and duplicate checks (null -> a sentinel
     no real id can equal, so rows without an id are tracked too)."""
     keys = pc.cast(ids, pa.string()) if ids.type != pa.string() else ids
-    return pc.fill_null(keys, "\x00null")
+    return pc.fill_null(keys, NULL_KEY)
 
 
 def plan_input(config: InputConfig) -> InputPlan:
@@ -135,6 +138,9 @@ def plan_input(config: InputConfig) -> InputPlan:
             problems.append(f"{key}: no column {column!r} in the input (columns: {columns})")
     if problems:
         raise JobError(problems)
+    wrong_type = text_column_problem(config, schema, reader, filesystem, files)
+    if wrong_type:
+        raise JobError([wrong_type])
     renamed = output_names(schema.names, config)
     limited = None
     if reader is not None:
@@ -148,7 +154,10 @@ def plan_input(config: InputConfig) -> InputPlan:
     keys = id_keys(ids)
     keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
     counts = pc.value_counts(keys)
-    repeated = pc.greater(counts.field("counts"), 1)
+    # rows without an id (or that cannot be read) are errors of their own, not duplicates
+    repeated = pc.and_(
+        pc.greater(counts.field("counts"), 1), pc.not_equal(counts.field("values"), NULL_KEY)
+    )
     duplicates = pa.table(
         {
             "key": pc.filter(counts.field("values"), repeated),
@@ -168,6 +177,64 @@ def plan_input(config: InputConfig) -> InputPlan:
         reader=reader,
         unreadable=unreadable,
     )
+
+
+FIRST_ROWS = 100  # JSON Lines rows read to tell a prompt column from a column of another kind
+
+
+def text_column_problem(
+    config: InputConfig,
+    schema: pa.Schema,
+    reader: JsonlReader | None,
+    filesystem: pafs.FileSystem,
+    files: list[str],
+) -> str | None:
+    """Why the prompt (or messages) column holds no prompts, None when it may: its Parquet
+    type, or in JSON Lines its values in the first FIRST_ROWS rows, none of them a prompt
+    (text) or a conversation (a list of role/content turns). A row whose value is wrong is
+    an error row; a column where none is right is the wrong column."""
+    messages = config.messages_column is not None
+    key, column = (
+        ("input.messages_column", config.messages_column)
+        if messages
+        else ("input.prompt_column", config.prompt_column)
+    )
+    wanted = "list of {role, content} turns" if messages else "text"
+    if reader is None:
+        kind = schema.field(column).type
+        if _holds_turns(kind) if messages else _is_text(kind):
+            return None
+        return f"{key}: column {column!r} is {kind}, not {'a ' if messages else ''}{wanted}"
+    rows = [row for _, _, row, _ in _records(filesystem, files, FIRST_ROWS) if row is not None]
+    values = [row[column] for row in rows if row.get(column) is not None]
+    if messages:
+        usable = any(messages_problem(value) is None for value in values)
+    else:
+        usable = any(isinstance(value, str) for value in values)
+    if usable or not values:
+        return None
+    example = json.dumps(values[0])
+    example = example if len(example) <= 60 else example[:57] + "..."
+    return (
+        f"{key}: column {column!r} holds no {wanted} in the first {len(rows)} rows (e.g. {example})"
+    )
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _holds_turns(kind: pa.DataType) -> bool:
+    """A list of structs with text fields role and content (others may come along)."""
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return False
+    turn = kind.value_type
+    if not pa.types.is_struct(turn):
+        return False
+    names = {turn.field(i).name: turn.field(i).type for i in range(turn.num_fields)}
+    return all(name in names and _is_text(names[name]) for name in ("role", "content"))
 
 
 def output_names(columns: list[str], config: InputConfig) -> dict[str, str]:
@@ -208,10 +275,10 @@ def scan_jsonl(
     types: dict[str, pa.DataType | None] = {}  # None: values of different JSON types
     ids: list[Any] = []
     unreadable = 0
-    for _, _, row, _ in _records(filesystem, files, config.limit):
+    for path, line, row, _ in _records(filesystem, files, config.limit):
         if row is None:
             unreadable += 1
-            ids.append(None)
+            ids.append(location(path, line))
             continue
         ids.append(row.get(config.id_column))
         for name, value in row.items():
@@ -227,7 +294,7 @@ def scan_jsonl(
             kind = MESSAGES_TYPE
         elif name == config.prompt_column and config.messages_column is None:
             kind = pa.string()
-        elif kind is None:
+        elif kind is None or name == config.id_column:
             kind = pa.string()
             as_text.add(name)
         fields.append(pa.field(name, kind))
@@ -265,9 +332,12 @@ class JsonlReader:
         values: dict[str, list] = {name: [] for name in names}
         errors: list[list[str]] = []
         for path, line, row, error in records:
-            problems = [] if row is not None else [f"{path} line {line}: {error}"]
+            problems = []
+            if row is None:
+                problems.append(f"{path} line {line}: {error}")
+                row = {self.config.id_column: location(path, line)}
             for name in names:
-                value, problem = self.convert(name, None if row is None else row.get(name))
+                value, problem = self.convert(name, row.get(name))
                 values[name].append(value)
                 if problem:
                     problems.append(problem)
@@ -311,6 +381,12 @@ class JsonlReader:
                 fitted.append(None)
                 errors[i].append(f"column {name!r}: {json.dumps(value)[:80]} is not {kind}")
         return pa.array(fitted, kind)
+
+
+def location(path: str, line: int) -> str:
+    """The id of a JSON Lines row that cannot be read: unique, so the row is written,
+    resumed and reported as a row of its own."""
+    return f"{path}:{line}"
 
 
 def read_jsonl_files(batch: pa.Table, *, reader: JsonlReader, filesystem: pafs.FileSystem):

@@ -41,45 +41,48 @@ def _text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _submit(job: Path) -> str:
-    result = run_cli("submit", str(job), "--progress-interval", "5")
+def _submit(job: Path, *overrides: str) -> str:
+    result = run_cli("submit", str(job), "--progress-interval", "5", *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
 
 @pytest.fixture(scope="module")
 def plain(root: Path) -> tuple[Path, list[dict]]:
-    """A JSON Lines input without input.limit: six prompts, a line cut short, two prompts that
-    are not strings and a carried column of mixed types; with a system prompt."""
+    """A JSON Lines input: six prompts, a line cut short, a line that is not JSON, two prompts
+    that are not strings and a carried column of mixed types; with a system prompt. Submitted
+    with input.limit 4, then without a limit: the second run resumes the first."""
     lines = [{"id": i, "prompt": p, "topic": "sums"} for i, p in enumerate(word_prompts(6))]
     lines.insert(2, '{"id": 99, "prompt": "Ella has 3 app')  # line 3
+    lines.insert(5, "not JSON at all")  # line 6
     lines += [{"id": 50, "prompt": 7}, {"id": 51, "prompt": ["a", "list"], "topic": 5}]
     prompts = write_jsonl(root / "plain.jsonl", lines)
     job = _job(root, "plain", prompts, input={"system_prompt": SYSTEM})
 
     checked = run_cli("validate", str(job))
     assert checked.returncode == 0, checked.stderr
-    assert checked.stdout.startswith("ok: test: 9 rows in 1 file(s)")
-    assert "1 row(s) cannot be read: they will be error rows" in checked.stdout
-    out = _submit(job)
-    assert "0 already written, 9 to generate" in out
+    assert checked.stdout.startswith("ok: test: 10 rows in 1 file(s), 0 duplicated id(s)")
+    assert "2 row(s) cannot be read: they will be error rows" in checked.stdout
+    assert "0 already written, 4 to generate" in _submit(job, "--set", "input.limit=4")
+    assert "4 already written, 6 to generate" in _submit(job)
     return prompts, _rows(root / "plain")
 
 
 def test_json_lines_without_a_limit_keep_every_readable_row(root, plain):
     prompts, rows = plain
-    assert len(rows) == 9
-    by_id = {r["id"]: r for r in rows if r["id"] is not None}
-    assert sorted(by_id) == [0, 1, 2, 3, 4, 5, 50, 51]
+    by_id = {r["id"]: r for r in rows}
+    assert len(rows) == len(by_id) == 10  # every line once, over both runs
     for i in range(6):
-        assert by_id[i]["error"] is None and by_id[i]["completion"]
-        assert by_id[i]["topic"] == "sums"
-    (broken,) = [r for r in rows if r["id"] is None]
+        assert by_id[str(i)]["error"] is None and by_id[str(i)]["completion"]
+        assert by_id[str(i)]["topic"] == "sums"
+    broken, not_json = by_id[f"{prompts}:3"], by_id[f"{prompts}:6"]
     assert broken["error"].startswith(f"{prompts} line 3: not valid JSON (Unterminated string")
-    assert broken["finish_reason"] == "error" and broken["completion"] is None
-    assert by_id[50]["error"] == "prompt is not a string (int)"
-    assert by_id[51]["error"] == "prompt is not a string (list)"
-    assert by_id[51]["topic"] == "5"  # a column of mixed types is carried as text
+    assert not_json["error"].startswith(f"{prompts} line 6: not valid JSON (Expecting value")
+    for row in (broken, not_json):
+        assert row["finish_reason"] == "error" and row["completion"] is None
+    assert by_id["50"]["error"] == "prompt is not a string (int)"
+    assert by_id["51"]["error"] == "prompt is not a string (list)"
+    assert by_id["51"]["topic"] == "5"  # a column of mixed types is carried as text
 
 
 def test_the_system_prompt_goes_before_each_prompt(root, plain):
@@ -97,7 +100,7 @@ def test_the_system_prompt_goes_before_each_prompt(root, plain):
 
 def test_stop_strings_end_completions_before_the_first_one(root, plain):
     prompts, plain_rows = plain
-    first = next(r["completion"] for r in plain_rows if r["id"] == 0)
+    first = next(r["completion"] for r in plain_rows if r["id"] == "0")
     stops = [first[len(first) // 2 :][:3], "\N{SNOWMAN} never"]
     job = _job(root, "stopped", prompts, input={"system_prompt": SYSTEM}, decoding={"stop": stops})
     _submit(job)
