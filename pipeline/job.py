@@ -2,14 +2,18 @@
 
 `load_job` reads a YAML file, applies `--set key.path=value` overrides, validates everything
 that can be checked without starting Ray (schema, decoding arithmetic, builtin names, paths,
-drafters that exist) and returns a `Job`. Errors name the key: `decoding.block_length: ...`.
-The validated object is passed down as is; nothing downstream reads raw dicts.
+drafters that exist, the family against the checkpoint, a writable output folder, hub ids the
+hub lists, GPUs for tensor parallel ranks) and returns a `Job`. Errors name the key:
+`decoding.block_length: ...`. The validated object is passed down as is; nothing downstream
+reads raw dicts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +31,7 @@ from pydantic import (
 from spot.builtin import builtin_drafter, is_builtin, resolve_reference
 from spot.config import CommitRule, ConfidenceName, DecodingConfig
 from spot.drafters.registry import DRAFTERS, drafter_kind
-from spot.models.hub import cached_snapshot, is_hub_id
+from spot.models.hub import cached_snapshot, hub_problem, is_hub_id
 
 
 class JobError(ValueError):
@@ -456,7 +460,10 @@ def check_paths(job: Job) -> None:
     try:
         model_dir = resolve_model_path(job.model.path)
         if model_dir == job.model.path and is_hub_id(model_dir):
-            model_dir = None  # a hub id to download: nothing local to check
+            unreachable = hub_problem(model_dir)  # each replica downloads it: can they?
+            if unreachable:
+                problems.append(f"model.path: {unreachable}")
+            model_dir = None
         elif "://" not in model_dir and not Path(model_dir, "config.json").is_file():
             problems.append(
                 f"model.path: {job.model.path!r} is not a checkpoint directory (no config.json)"
@@ -490,8 +497,82 @@ def check_paths(job: Job) -> None:
             "input.chat_template: the model's tokenizer has no chat template; "
             "set input.chat_template: false"
         )
+    if model_dir is not None and "://" not in model_dir:
+        problems += _family_problems(job.model.family, Path(model_dir))
+    problems += _output_problems(job.output.path)
+    problems += _gpu_problems(job)
     if problems:
         raise JobError(problems)
+
+
+def checkpoint_family(model_dir: Path) -> tuple[Any, str | None]:
+    """The model_type the checkpoint's config.json declares and the family that reads it
+    (None when no known family does)."""
+    from spot.models.registry import families
+
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    found = (f.name for f in families().values() if model_type in f.model_types)
+    return model_type, next(found, None)
+
+
+def _family_problems(family: str | None, model_dir: Path) -> list[str]:
+    """model.family against the checkpoint's config.json (which names it when left out)."""
+    try:
+        model_type, found = checkpoint_family(model_dir)
+    except (OSError, ValueError) as error:
+        return [f"model.path: cannot read {model_dir / 'config.json'}: {error}"]
+    if found is None and family is None:
+        return [
+            f"model.family: the checkpoint's config.json names no known family (model_type "
+            f"{model_type!r}); set model.family: sdar, llada, dream or llada2"
+        ]
+    if found is not None and family is not None and family != found:
+        return [
+            f"model.family: {family} does not match the checkpoint, whose config.json "
+            f"model_type {model_type!r} is the {found} family; set model.family: {found} "
+            "or leave it out"
+        ]
+    return []
+
+
+def _output_problems(path: str) -> list[str]:
+    """output.path must be a folder this process can write in, or a path one can be made
+    at: checked by creating and removing a file there (permission bits alone would pass a
+    read-only mount, and every folder for root). URIs are checked when written."""
+    if "://" in path:
+        return []
+    local = os.path.abspath(os.path.expanduser(path))
+    if os.path.lexists(local) and not os.path.isdir(local):
+        return [f"output.path: {path!r} is a file, not a folder"]
+    existing = local
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return [f"output.path: {path!r} cannot be a folder: {existing!r} is a file"]
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".spot-write-check-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        return [f"output.path: cannot write in {existing!r} ({error.strerror})"]
+    return []
+
+
+def _gpu_problems(job: Job) -> list[str]:
+    """Tensor parallel ranks run on the replica's GPUs, or on CPU with num_gpus: 0 (how a
+    machine without GPUs runs them); on a machine with GPUs, num_gpus: 0 is a forgotten key."""
+    degree = job.model.tensor_parallel
+    if degree == 1 or job.resources.num_gpus:
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [
+        f"model.tensor_parallel: {degree} ranks with resources.num_gpus: 0 would run on CPU "
+        f"on this machine, which has GPUs; set resources.num_gpus: {degree} (one per rank)"
+    ]
 
 
 def _reason(error: Exception) -> str:

@@ -6,17 +6,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import ray
+import torch
 import yaml
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
+from tests.pipeline_fixtures import (
+    job_dict,
+    make_tiny_sdar,
+    run_cli,
+    word_prompts,
+    write_jsonl,
+    write_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,3 +207,153 @@ def test_drafter_commands_default_to_the_shipped_recipe(tmp_path: Path):
     result = runner.invoke(main, train)
     assert result.exit_code == 0, result.output
     assert read_header(out)["metrics"]["objective"] == "order"
+
+
+NOISE = re.compile(r"\bERROR\b|\bWARNING\b|Traceback|Warning:")
+
+
+def noise(text: str) -> list[str]:
+    """Lines a healthy run must not print: errors, warnings, tracebacks (Ray's or Python's)."""
+    return [line for line in text.splitlines() if NOISE.search(line)]
+
+
+def _refused(job_file: Path, *overrides: str, command: str = "validate") -> str:
+    """The output of a command that must refuse the job before Ray starts."""
+    result = CliRunner().invoke(main, [command, str(job_file), *overrides])
+    assert result.exit_code == 2, result.output
+    assert not ray.is_initialized()
+    assert len(result.output.splitlines()) == 2, result.output  # the header, one problem
+    return result.output
+
+
+def test_a_family_the_checkpoint_is_not_is_refused(job_file: Path):
+    expected = (
+        "model.family: llada does not match the checkpoint, whose config.json model_type "
+        "'sdar' is the sdar family; set model.family: sdar or leave it out"
+    )
+    for command in ("validate", "submit"):
+        output = _refused(job_file, "--set", "model.family=llada", command=command)
+        assert expected in output
+
+
+def test_an_output_path_that_is_a_file_or_inside_one_is_refused(job_file: Path, tmp_path: Path):
+    taken = tmp_path / "taken.txt"
+    taken.write_text("not a folder")
+    output = _refused(job_file, "--set", f"output.path={taken}")
+    assert f"output.path: '{taken}' is a file, not a folder" in output
+    inside = taken / "out"
+    output = _refused(job_file, "--set", f"output.path={inside}", command="submit")
+    assert f"output.path: '{inside}' cannot be a folder: '{taken}' is a file" in output
+
+
+def test_a_read_only_output_folder_is_refused(tmp_path: Path):
+    """Writability is tried by writing, not read from permission bits: root writes in a
+    folder without write permission (validate passes), a user without that permission is
+    refused. Run as root, the refused case drops to the nobody user with setpriv."""
+    shared = Path(tempfile.mkdtemp(prefix="spot-readonly-"))  # a folder nobody can read
+    try:
+        shared.chmod(0o755)
+        prompts = write_prompts(shared / "prompts.parquet", {"id": [1], "prompt": ["hi"]})
+        locked = shared / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        job = job_dict(prompts, "builtin:sdar-nano", locked / "out")
+        job["model"]["dtype"] = "float32"
+        job_file = shared / "job.yaml"
+        job_file.write_text(yaml.safe_dump(job))
+        command = ["validate", str(job_file)]
+        as_user = []
+        if os.geteuid() == 0:
+            assert run_cli(*command).returncode == 0  # root may write there
+            if shutil.which("setpriv") is None:
+                pytest.skip("running as root without setpriv: cannot drop to another user")
+            as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        result = subprocess.run(
+            [*as_user, sys.executable, "-m", "pipeline.cli", *command],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(shared)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"output.path: cannot write in '{locked}' (Permission denied)" in result.stderr
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_tensor_parallel_ranks_need_the_gpus_a_machine_has(job_file: Path):
+    """tensor_parallel 2 with num_gpus 0 runs its ranks on CPU: refused on a machine with
+    GPUs (a forgotten key), the way to shard on a machine without."""
+    overrides = ["--set", "model.tensor_parallel=2", "--set", "model.dtype=float32"]
+    overrides += ["--set", "resources.num_gpus=0"]
+    if torch.cuda.is_available():
+        output = _refused(job_file, *overrides)
+        assert (
+            "model.tensor_parallel: 2 ranks with resources.num_gpus: 0 would run on CPU on this "
+            "machine, which has GPUs; set resources.num_gpus: 2 (one per rank)"
+        ) in output
+    else:
+        result = CliRunner().invoke(main, ["validate", str(job_file), *overrides])
+        assert result.exit_code == 0, result.output
+
+
+def test_prompt_and_messages_columns_of_another_type_are_refused(job_file: Path, tmp_path: Path):
+    numbers = write_prompts(tmp_path / "numbers.parquet", {"id": [1, 2], "prompt": [12, 34]})
+    output = _refused(job_file, "--set", f"input.path={numbers}", command="submit")
+    assert "input.prompt_column: column 'prompt' is int64, not text" in output
+    chats = write_prompts(tmp_path / "chats.parquet", {"id": [1], "chat": ['[{"role": "user"}]']})
+    output = _refused(
+        job_file, "--set", f"input.path={chats}", "--set", "input.messages_column=chat"
+    )
+    assert "input.messages_column: column 'chat' is string, not a list of {role, content}" in output
+    lines = write_jsonl(tmp_path / "numbers.jsonl", [{"id": i, "prompt": i * 11} for i in range(3)])
+    output = _refused(job_file, "--set", f"input.path={lines}")
+    assert (
+        "input.prompt_column: column 'prompt' holds no text in the first 3 rows (e.g. 0)"
+    ) in output
+    turns = write_jsonl(tmp_path / "turns.jsonl", [{"id": 1, "chat": "hello"}])
+    output = _refused(
+        job_file, "--set", f"input.path={turns}", "--set", "input.messages_column=chat"
+    )
+    assert "input.messages_column: column 'chat' holds no list of {role, content} turns" in output
+    mixed = write_jsonl(
+        tmp_path / "mixed.jsonl", [{"id": 1, "prompt": 5}, {"id": 2, "prompt": "a"}]
+    )
+    result = CliRunner().invoke(main, ["validate", str(job_file), "--set", f"input.path={mixed}"])
+    assert result.exit_code == 0, result.output  # one bad prompt is an error row, not a bad job
+
+
+def test_a_hub_id_the_hub_cannot_give_is_refused_without_hanging(job_file: Path, tmp_path: Path):
+    """Not cached, and the hub refuses connections, never answers, or is switched off."""
+    hub_id = ["--set", "model.path=no-such-org/no-such-model"]
+    cache = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused_port = closed.getsockname()[1]
+    with socket.socket() as silent:  # accepts connections (the kernel does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoints = {
+            "refused": f"http://127.0.0.1:{refused_port}",
+            "silent": f"http://127.0.0.1:{silent.getsockname()[1]}",
+        }
+        for case, endpoint in endpoints.items():
+            start = time.monotonic()
+            result = run_cli(
+                "validate", str(job_file), *hub_id, env={**cache, "HF_ENDPOINT": endpoint}
+            )
+            elapsed = time.monotonic() - start
+            assert result.returncode == 2, result.stdout + result.stderr
+            problem = result.stderr.splitlines()[1]
+            assert problem.startswith(
+                "  model.path: 'no-such-org/no-such-model' is not in the local Hugging Face cache "
+                "and the hub "
+            ), result.stderr
+            assert problem.endswith("download it first, or give a local checkpoint directory")
+            wanted = "did not answer within 10 s" if case == "silent" else "cannot be reached ("
+            assert wanted in problem
+            assert elapsed < 60, elapsed
+    result = run_cli("validate", str(job_file), *hub_id, env={**cache, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    assert "local Hugging Face cache and HF_HUB_OFFLINE is set" in result.stderr
