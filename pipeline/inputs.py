@@ -109,6 +109,16 @@ def id_keys(ids: pa.Array | pa.ChunkedArray) -> pa.Array:
     return pc.fill_null(keys, NULL_KEY)
 
 
+def repeated_keys(keys: pa.Array) -> pa.StructArray:
+    """The keys seen more than once and how often (`values`, `counts`, as pc.value_counts
+    gives them), found by sorting: a hash table of every id costs the driver several times
+    the ids themselves."""
+    ordered = keys.take(pc.sort_indices(keys))
+    same = pc.equal(ordered[1:], ordered[:-1])  # each key against the one before it
+    repeated = pc.unique(ordered[1:].filter(same))
+    return pc.value_counts(ordered.filter(pc.is_in(ordered, value_set=repeated)))
+
+
 def plan_input(config: InputConfig) -> InputPlan:
     """Check the input and find duplicate ids; raises JobError naming input.* keys."""
     filesystem, files = input_files(config)
@@ -153,7 +163,7 @@ def plan_input(config: InputConfig) -> InputPlan:
         ids = dataset.to_table(columns=[config.id_column]).column(config.id_column)
     keys = id_keys(ids)
     keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
-    counts = pc.value_counts(keys)
+    counts = repeated_keys(keys)
     # rows without an id (or that cannot be read) are errors of their own, not duplicates
     repeated = pc.and_(
         pc.greater(counts.field("counts"), 1), pc.not_equal(counts.field("values"), NULL_KEY)
