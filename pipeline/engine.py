@@ -8,7 +8,7 @@ with `error` set and no completion, never a failed batch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -83,6 +83,9 @@ class Engine:
         self.drafter = build_drafter(job, self.target)
         self.drafter_label = job.drafter_label()
         self.eos_ids = torch.tensor(self.target.eos_ids)
+        # sees (rows, errors, generated tokens, forwards) of each generation batch as it
+        # finishes: the replica's live progress (tokens to the EOS, before stop strings)
+        self.on_batch: Callable[[int, int, int, int], None] | None = None
 
     def encode(self, row: Mapping[str, Any] | str) -> list[int]:
         """Prompt token ids of a row (or a plain prompt), see `pipeline.prompts.prompt_ids`."""
@@ -126,9 +129,15 @@ class Engine:
         for start in range(0, len(requests), size):
             chunk = requests[start : start + size]
             try:
-                out.extend(generate(self.target, chunk, self.config, self.drafter))
+                results = generate(self.target, chunk, self.config, self.drafter)
             except Exception:
-                out.extend(self._generate_alone(chunk))
+                results = self._generate_alone(chunk)
+            out.extend(results)
+            if self.on_batch is not None:
+                done = [r for r in results if not isinstance(r, str)]
+                tokens = sum(len(self._completion_ids(r.tokens)) for r in done)
+                nfe = sum(r.stats.nfe for r in done)
+                self.on_batch(len(results), len(results) - len(done), tokens, nfe)
         return out
 
     def _generate_alone(self, requests: Sequence[Request]) -> list[Result | str]:

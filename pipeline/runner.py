@@ -13,25 +13,25 @@ import os
 import shlex
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
+from pipeline.progress import ProgressPrinter, table_counts
 from pipeline.ray_auth import private_token
+from pipeline.schema import ID, SAMPLE_INDEX
 from pipeline.stages import AtomicParquetDatasink, expand_rows
 from pipeline.summary import build_summary, output_totals
 from spot.builtin import is_builtin
@@ -48,16 +48,30 @@ class GenerationActor:
     """One replica: builds the engine once, then maps batches of rows to output rows.
     (torch is imported here, in the replica: the driver never loads it.)"""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
         import torch
 
         from pipeline.engine import Engine
 
         torch.set_num_threads(max(1, round(job.resources.num_cpus)))
         self.engine = Engine(job)
+        self.progress = progress  # a pipeline.progress.ProgressCounter
+        self.block = ""
+        self.counts = (0, 0, 0, 0)
+        if progress is not None:
+            self.engine.on_batch = self._batch_done
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.engine.process(batch)
+        first = row_keys(batch.column(ID).slice(0, 1), batch.column(SAMPLE_INDEX).slice(0, 1))
+        self.block, self.counts = (first[0].as_py() if len(first) else ""), (0, 0, 0, 0)
+        out = self.engine.process(batch)
+        if self.progress is not None:  # the block's rows as written replace its batches'
+            self.progress.report.remote(self.block, table_counts(out))
+        return out
+
+    def _batch_done(self, *counts: int) -> None:
+        self.counts = tuple(a + b for a, b in zip(self.counts, counts))
+        self.progress.report.remote(self.block, self.counts)
 
 
 def count_pending(plan: InputPlan, samples: int, done: pa.Array, slice_rows: int = 1 << 18) -> int:
@@ -114,59 +128,6 @@ def ray_session(job: Job, address: str | None) -> Iterator[None]:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-class _ProgressPrinter:
-    """Every `interval` seconds, reads the part files written since the run began (a few
-    columns) and prints rows done, tokens/s and mean NFE; keeps the samples for the report.
-    Progress is what is safely on disk, so it moves a block at a time."""
-
-    def __init__(self, output: OutputDir, total_rows: int, echo: Echo, interval: float):
-        self.output = output
-        self.total_rows = total_rows
-        self.echo = echo
-        self.interval = interval
-        self.seen = set(output.part_files())
-        self.rows = self.errors = self.tokens = self.nfe = 0
-        self.samples: list[list[float]] = []
-        self.start = time.perf_counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> _ProgressPrinter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.poll()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.poll()
-
-    def poll(self) -> None:
-        new = [f for f in self.output.part_files() if f not in self.seen]
-        for path in new:
-            self.seen.add(path)
-            part = pq.read_table(
-                path,
-                columns=["error", "num_generated_tokens", "nfe"],
-                filesystem=self.output.filesystem,
-            )
-            self.rows += part.num_rows
-            self.errors += part.num_rows - part.column("error").null_count
-            self.tokens += pc.sum(part.column("num_generated_tokens")).as_py() or 0
-            self.nfe += pc.sum(part.column("nfe")).as_py() or 0
-        elapsed = time.perf_counter() - self.start
-        self.samples.append([elapsed, self.rows, self.tokens, self.nfe])
-        generated = self.rows - self.errors
-        self.echo(
-            f"[progress] {self.rows}/{self.total_rows} rows ({self.errors} errors) | "
-            f"{self.tokens / max(elapsed, 1e-9):.1f} tok/s | "
-            f"mean NFE {self.nfe / generated if generated else 0.0:.1f} | elapsed {elapsed:.0f}s"
-        )
-
-
 def run_job(
     job: Job,
     *,
@@ -174,8 +135,11 @@ def run_job(
     ray_address: str | None = None,
     echo: Echo = print,
     progress_interval: float = 10.0,
+    progress_bar: TextIO | None = None,
 ) -> dict[str, Any]:
-    """Generate every (id, sample) not yet in job.output.path; returns the new summary."""
+    """Generate every (id, sample) not yet in job.output.path; returns the new summary.
+    Progress: a bar drawn on `progress_bar` (a terminal) when given, else lines through
+    `echo`."""
     plan = plan_input(job.input)
     output = OutputDir(job.output.path)
     output.remove_partial_files()
@@ -188,12 +152,12 @@ def run_job(
     )
     started = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.perf_counter()
-    progress = _ProgressPrinter(output, pending, echo, progress_interval)
+    progress = ProgressPrinter(job.name, pending, echo, progress_interval, progress_bar)
     failure = None
     try:
         if pending:
             with ray_session(job, ray_address), progress:
-                _execute(job, plan, output, done, pending, actor_class)
+                _execute(job, plan, output, done, pending, actor_class, progress.counter)
     except BaseException as error:
         failure = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         raise
@@ -221,9 +185,13 @@ def _execute(
     done: pa.Array,
     pending: int,
     actor_class: type,
+    counter: ray.actor.ActorHandle,
 ) -> None:
-    """The Ray Data pipeline, streaming from the input to part files."""
-    dataset = replica_rows(job, plan, done, pending, actor_class, {"job": job})
+    """The Ray Data pipeline, streaming from the input to part files; the replicas report
+    to `counter` (pipeline.progress), so Ray Data's own progress output is turned off."""
+    DataContext.get_current().enable_progress_bars = False
+    actor_kwargs = {"job": job, "progress": counter}
+    dataset = replica_rows(job, plan, done, pending, actor_class, actor_kwargs)
     dataset.write_datasink(AtomicParquetDatasink(output))
 
 
