@@ -8,6 +8,7 @@ with `error` set and no completion, never a failed batch.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from pipeline.job import Job, resolve_model_path
 from pipeline.prompts import PromptError, cut_at_stop, prompt_ids, prompt_text
 from pipeline.schema import GENERATED_FIELDS, ID, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
 from spot import noise
+from spot.budget import AutoBudget
 from spot.decode import Drafter, Request, Result, generate
 from spot.target import Target
 from spot.tree import Layout
@@ -184,7 +186,12 @@ class Engine:
             requests.append(Request(torch.tensor(token_ids, dtype=torch.long), key))
             pending.append(i)
 
-        for i, result in zip(pending, self._generate(requests)):
+        auto = self.drafter if isinstance(self.drafter, AutoBudget) else None
+        before = Counter(auto.timed) if auto else Counter()
+        results = self._generate(requests)
+        if auto and batch.num_rows:  # the budgets auto ran at, on the first row (schema)
+            columns["budget_iterations"][0] = _budget_iterations(Counter(auto.timed) - before)
+        for i, result in zip(pending, results):
             if isinstance(result, str):
                 columns["error"][i] = result
                 columns["finish_reason"][i] = "error"
@@ -206,6 +213,20 @@ class Engine:
 
         texts = [prompt_text(row, self.job.input) for row in rows]
         return _output_table(batch, texts, columns)
+
+
+def _budget_iterations(ran: Counter) -> list[dict[str, int]]:
+    """AutoBudget's iterations per (batch-size class, budget) as the output column holds
+    them: class k holds the batch sizes 2**(k-1) .. 2**k - 1."""
+    return [
+        {
+            "batch_size_from": 2 ** (k - 1),
+            "batch_size_to": 2**k - 1,
+            "budget": budget,
+            "iterations": count,
+        }
+        for (k, budget), count in sorted(ran.items())
+    ]
 
 
 def _values(batch: pa.Table, name: str) -> list[Any]:

@@ -11,6 +11,17 @@ MESSAGES = "messages"  # the conversation of a job with input.messages_column
 SAMPLE_INDEX = "sample_index"
 ROW_ERROR = "_row_error"  # internal: an error found before generation (null or duplicate id)
 
+BUDGET_ITERATIONS = pa.list_(
+    pa.struct(
+        [
+            ("batch_size_from", pa.int64()),
+            ("batch_size_to", pa.int64()),
+            ("budget", pa.int64()),
+            ("iterations", pa.int64()),
+        ]
+    )
+)
+
 GENERATED_FIELDS = (
     pa.field("completion", pa.string()),
     pa.field("completion_token_ids", pa.list_(pa.int64())),
@@ -27,4 +38,8 @@ GENERATED_FIELDS = (
     pa.field("model", pa.string()),
     pa.field("drafter", pa.string()),
     pa.field("seed", pa.int64()),
+    # budget auto: the iterations its batches ran at each tree budget, per batch-size class
+    # (AutoBudget searches per power of two), over the engine call that made this row's block;
+    # set on the block's first row only, so the column sums to the job's iterations
+    pa.field("budget_iterations", BUDGET_ITERATIONS),
 )
