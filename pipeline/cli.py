@@ -111,32 +111,58 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 @click.option(
     "--progress-interval", default=10.0, show_default=True, help="Seconds between progress lines."
 )
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Delete what output.path holds (rows, summary.json, report) and start again: the way "
+    "to reuse an output whose rows were made with other settings.",
+)
 def submit(
     job_file: str,
     overrides: tuple[str, ...],
     address: str | None,
     in_cluster: bool,
     progress_interval: float,
+    overwrite: bool,
 ) -> None:
-    """Run JOB_FILE: generate every row not yet in its output, then write summary.json."""
+    """Run JOB_FILE: generate every row not yet in its output, then write summary.json.
+
+    Submitting again resumes; an output made with other settings (fingerprint.json) is
+    refused."""
     job = _load_or_exit(job_file, overrides)
     _plan_or_exit(job, job_file)
     from pipeline.ray_auth import client_token_from_environment, use_loopback
 
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address and not in_cluster:
-        client_token_from_environment()
-    elif not in_cluster:
-        use_loopback()  # read by Ray when imported, just below
-    from pipeline.runner import run_job, submit_to_cluster
-
-    if in_cluster:
-        run_job(job, ray_address="auto", echo=click.echo, progress_interval=progress_interval)
-        return
+    address = None if in_cluster else address or os.environ.get("RAY_ADDRESS")
     if address:
-        submit_to_cluster(job, address, echo=click.echo)
+        client_token_from_environment()
+        from pipeline.runner import submit_to_cluster
+
+        command = ("submit", "--overwrite") if overwrite else ("submit",)
+        submit_to_cluster(job, address, echo=click.echo, command=command)
         return
-    run_job(job, echo=click.echo, progress_interval=progress_interval)
+    if not in_cluster:
+        use_loopback()  # read by Ray when imported, just below
+    _claim_or_exit(job, job_file, overwrite)
+    from pipeline.runner import run_job
+
+    ray_address = "auto" if in_cluster else None
+    run_job(job, ray_address=ray_address, echo=click.echo, progress_interval=progress_interval)
+
+
+def _claim_or_exit(job, job_file: str, overwrite: bool):
+    """The output folder, checked against the job's fingerprint (and emptied first with
+    --overwrite); an output made with other settings exits naming what differs."""
+    from pipeline.fingerprint import claim_output
+    from pipeline.job import JobError
+
+    try:
+        return claim_output(job, overwrite)
+    except JobError as error:
+        click.echo(f"cannot submit {job_file}:", err=True)
+        for problem in error.problems:
+            click.echo(f"  {problem}", err=True)
+        sys.exit(2)
 
 
 main.add_command(submit)

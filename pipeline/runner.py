@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
+from pipeline.fingerprint import claim_output
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
@@ -136,12 +137,14 @@ def run_job(
     echo: Echo = print,
     progress_interval: float = 10.0,
     progress_bar: TextIO | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Generate every (id, sample) not yet in job.output.path; returns the new summary.
-    Progress: a bar drawn on `progress_bar` (a terminal) when given, else lines through
-    `echo`."""
+    An output holding rows of another fingerprint is refused (pipeline.fingerprint) unless
+    `overwrite` empties it first. Progress: a bar drawn on `progress_bar` (a terminal) when
+    given, else lines through `echo`."""
+    output = claim_output(job, overwrite)
     plan = plan_input(job.input)
-    output = OutputDir(job.output.path)
     output.remove_partial_files()
     written_before = output.part_files()
     done = output.done_keys(written_before)

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -357,3 +358,69 @@ def test_a_hub_id_the_hub_cannot_give_is_refused_without_hanging(job_file: Path,
     result = run_cli("validate", str(job_file), *hub_id, env={**cache, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2
     assert "local Hugging Face cache and HF_HUB_OFFLINE is set" in result.stderr
+
+
+def _nano_job(root: Path, *, limit: int, drafter: str, batch_size: int) -> Path:
+    """A job on the bundled sdar-nano target, in float64 (where equal inputs give equal
+    decisions whatever shares a forward): `limit` held-out prompts at T=0.8."""
+    job = {
+        "name": "nano",
+        "input": {"path": "builtin:prompts/heldout.jsonl", "limit": limit},
+        "model": {"path": "builtin:sdar-nano", "dtype": "float64"},
+        "drafter": {"kind": drafter, "budget": 4},
+        "decoding": {"gen_length": 32, "block_length": 16, "temperature": 0.8, "seed": 1},
+        "resources": {"replicas": 1, "batch_size": batch_size, "num_cpus": 1},
+        "output": {"path": str(root / "out")},
+    }
+    path = root / f"job-{limit}-{drafter}-{batch_size}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _tokens(out: Path) -> dict[str, list[int]]:
+    table = pq.read_table(out / "data", columns=["id", "completion_token_ids", "error"])
+    assert table.column("error").null_count == table.num_rows
+    rows = table.to_pylist()
+    return {r["id"]: r["completion_token_ids"] for r in rows}
+
+
+def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_path: Path):
+    """Rows made with one drafter and batch size, resumed with another: the corpus is what one
+    run makes. A resubmit that changes what decides the tokens is refused before Ray starts,
+    naming each key; --overwrite starts again."""
+    out = tmp_path / "out"
+    first = run_cli("submit", str(_nano_job(tmp_path, limit=3, drafter="none", batch_size=2)))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "0 already written, 3 to generate" in first.stdout
+    fingerprint = json.loads((out / "fingerprint.json").read_text())
+    assert fingerprint["decoding.temperature"] == 0.8 and "drafter.kind" not in fingerprint
+
+    other = _nano_job(tmp_path, limit=6, drafter="spot", batch_size=4)
+    changed = ["--set", "decoding.seed=7", "--set", "input.chat_template=false"]
+    refused = run_cli("submit", str(other), *changed, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stdout == ""  # nothing ran
+    assert refused.stderr.splitlines()[1:] == [
+        f"  output.path: {out} holds rows made with other settings (fingerprint.json); "
+        "resuming would mix them with this job's:",
+        "    input.chat_template: true -> false",
+        "    decoding.seed: 1 -> 7",
+        "  submit with --overwrite to delete those rows and start again, or set another "
+        "output.path",
+    ]
+
+    resumed = run_cli("submit", str(other))  # another drafter and batch size: token-neutral
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "3 already written, 3 to generate" in resumed.stdout
+    corpus = _tokens(out)
+    assert len(corpus) == 6
+
+    single = run_cli("submit", str(_nano_job(tmp_path, limit=6, drafter="none", batch_size=2)))
+    assert "6 already written, 0 to generate" in single.stdout  # same fingerprint: resumes
+    again = run_cli(
+        "submit", str(_nano_job(tmp_path, limit=6, drafter="none", batch_size=2)), "--overwrite"
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "0 already written, 6 to generate" in again.stdout
+    assert _tokens(out) == corpus
+    assert json.loads((out / "summary.json").read_text())["totals"]["rows"] == 6

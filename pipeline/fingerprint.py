@@ -1,0 +1,180 @@
+"""What decides a job's tokens, recorded beside its output, so that a resubmit never mixes
+two configurations in one corpus.
+
+`fingerprint(job)` maps job keys to the values that decide every completion: the model (its
+path, a content identity of its checkpoint, family, dtype), every decoding setting, and how a
+row becomes a prompt (id, prompt and messages columns, chat template, system prompt). The
+first submit writes it as `fingerprint.json` beside summary.json; a submit into an output
+that holds rows made under another fingerprint is refused before anything runs, naming each
+key that differs, unless `--overwrite` empties the output first.
+
+Left out, so they may change between runs: where the input is and how much of it is read
+(`input.path`, `input.limit`: a resubmit may add rows), and everything that only changes
+speed (drafter, budget, replicas, batch size, tensor parallel degree, GPUs and CPUs).
+Decoding is lossless: rows written under one drafter and batch size are the rows another
+would write.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import posixpath
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from pipeline.job import Job, JobError, checkpoint_family, parse_job, resolve_model_path
+from pipeline.output import DATA_DIR, REPORT_DIR, SUMMARY_FILE, OutputDir, write_atomically
+from spot.builtin import is_builtin
+from spot.models.hub import CHECKPOINT_FILES, is_hub_id
+
+FINGERPRINT_FILE = "fingerprint.json"
+INPUT_KEYS_FREE = ("path", "limit")  # where the rows are and how many: not how they decode
+# None where the job was claimed (a hub id its replicas download): not compared then
+UNKNOWABLE = ("model.checkpoint", "model.family")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+class ResumeRefused(JobError):
+    """The output holds rows made with another fingerprint."""
+
+
+def fingerprint(job: Job) -> dict[str, Any]:
+    """Every job key that decides the tokens, with its value (see the module docstring)."""
+    model_dir = _local_checkpoint(job.model.path)
+    family = job.model.family
+    if family is None and model_dir is not None:
+        family = checkpoint_family(model_dir)[1]
+    keys: dict[str, Any] = {
+        "model.path": _model_location(job.model.path),
+        "model.checkpoint": None if model_dir is None else checkpoint_identity(model_dir),
+        "model.family": family,
+        "model.dtype": job.model.dtype,
+    }
+    for name, value in job.input.model_dump(mode="json").items():
+        if name not in INPUT_KEYS_FREE:
+            keys[f"input.{name}"] = value
+    for name, value in job.decoding.model_dump(mode="json").items():
+        keys[f"decoding.{name}"] = value
+    return keys
+
+
+def checkpoint_identity(model_dir: Path) -> str:
+    """A short hash of the checkpoint's small files (configs, tokenizer, chat template) and of
+    its weight files' names and sizes: cheap to take, and it changes when another checkpoint
+    or tokenizer is put at the same path."""
+    digest = hashlib.sha256()
+    for file in sorted(model_dir.iterdir()):
+        if not file.is_file() or not any(fnmatch.fnmatch(file.name, p) for p in CHECKPOINT_FILES):
+            continue
+        digest.update(file.name.encode() + b"\0")
+        if file.suffix in WEIGHT_SUFFIXES:
+            digest.update(str(file.stat().st_size).encode())
+        else:
+            digest.update(file.read_bytes())
+        digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
+def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every key whose value changed (keys one side lacks, and unknown
+    checkpoint facts, are not compared)."""
+    changed = []
+    for key, new in current.items():
+        if key not in recorded:
+            continue
+        old = recorded[key]
+        if old == new or (key in UNKNOWABLE and None in (old, new)):
+            continue
+        changed.append(f"{key}: {_show(old)} -> {_show(new)}")
+    return changed
+
+
+def claim_output(job: Job, overwrite: bool = False) -> OutputDir:
+    """The job's output folder, checked and marked for this job before anything runs: with
+    `overwrite`, emptied of its rows, summary and report (its logs stay); else refused
+    (ResumeRefused) when it holds rows made with another fingerprint. Writes the job's
+    fingerprint when the folder has none or another one."""
+    output = OutputDir(job.output.path)
+    current = fingerprint(job)
+    if overwrite:
+        clear_output(output)
+    recorded = read_fingerprint(output)
+    if output.part_files():
+        made_with = recorded or _fingerprint_of_summary(output)
+        changed = differences(made_with, current) if made_with else []
+        if changed:
+            raise ResumeRefused(
+                [
+                    f"output.path: {output.uri} holds rows made with other settings "
+                    f"({FINGERPRINT_FILE}); resuming would mix them with this job's:",
+                    *(f"  {line}" for line in changed),
+                    "submit with --overwrite to delete those rows and start again, or set "
+                    "another output.path",
+                ]
+            )
+    if recorded != current:
+        text = json.dumps(current, indent=2).encode()
+        write_atomically(output.filesystem, _path(output), lambda f: f.write(text))
+    return output
+
+
+def read_fingerprint(output: OutputDir) -> dict[str, Any] | None:
+    path = _path(output)
+    if output.filesystem.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with output.filesystem.open_input_stream(path) as stream:
+        return json.loads(stream.read().decode())
+
+
+def clear_output(output: OutputDir) -> None:
+    """Delete what a job wrote to `output` (rows, summary, report, fingerprint), not logs."""
+    filesystem = output.filesystem
+    for name in (DATA_DIR, REPORT_DIR, SUMMARY_FILE, FINGERPRINT_FILE):
+        path = posixpath.join(output.root, name)
+        kind = filesystem.get_file_info(path).type
+        if kind == pafs.FileType.Directory:
+            filesystem.delete_dir(path)
+        elif kind == pafs.FileType.File:
+            filesystem.delete_file(path)
+
+
+def _fingerprint_of_summary(output: OutputDir) -> dict[str, Any] | None:
+    """The fingerprint of the job an output made before fingerprints were recorded, from its
+    summary.json, when that job still parses."""
+    job = (output.read_summary() or {}).get("job")
+    try:
+        return fingerprint(parse_job(job)) if job else None
+    except (JobError, OSError, ValueError):
+        return None
+
+
+def _path(output: OutputDir) -> str:
+    return posixpath.join(output.root, FINGERPRINT_FILE)
+
+
+def _local_checkpoint(path: str) -> Path | None:
+    """The checkpoint directory on this machine (a hub id not cached, a URI: None)."""
+    try:
+        resolved = resolve_model_path(path)
+    except (ImportError, OSError, ValueError):
+        return None
+    if "://" in resolved or not os.path.isdir(resolved):
+        return None
+    return Path(resolved)
+
+
+def _model_location(path: str) -> str:
+    """model.path as it names the checkpoint wherever the job is submitted from: builtins,
+    hub ids and URIs as written, local paths absolute."""
+    if is_builtin(path) or "://" in path or (is_hub_id(path) and not os.path.isdir(path)):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)
