@@ -126,7 +126,8 @@ def record_command(
             f"{', '.join(given)}: the job file gives the model, the prompts and the decoding "
             "(override them with --set decoding.KEY=VALUE)"
         )
-    job = _load_or_exit(job_file, overrides)
+    # a recording is draft-free: the job's drafter (perhaps the one to be trained) is not read
+    job = _load_or_exit(job_file, (*overrides, "drafter.kind=none"))
     _plan_or_exit(job, job_file)
     from pipeline.recording import record_job
     from pipeline.runner import submit_to_cluster

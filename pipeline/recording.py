@@ -2,12 +2,12 @@
 
 The job file gives the target, the decoding and the input rows (and samples) to record; its
 drafter is ignored (a recording is draft-free). Each replica records a block of requests at a
-time and writes it as one shard file in the output folder (any pyarrow file system), through a
-hidden temporary renamed when complete and named by a hash of its request keys, so a block
-retried after a crash replaces its own shard. A shard holds the requests' whole trajectories;
-the drafter commands read the folder as one recording (`Trajectories.load`), in the same order
-however many replicas or shards made it. Submitting again to the same folder records only the
-requests it does not hold yet.
+time and writes each engine batch of it as one shard file in the output folder (any pyarrow
+file system), through a hidden temporary renamed when complete and named by a hash of its
+request keys, so a block retried after a crash replaces its own shards. A shard holds its
+requests' whole trajectories; the drafter commands read the folder as one recording
+(`Trajectories.load`), in the same order however many replicas or shards made it. Submitting
+again to the same folder records only the requests it does not hold yet.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class RecordingFolder:
 
 
 class RecordingActor:
-    """One replica: the job's target (draft-free), recording a block of rows per call as one
-    shard. Returns one row per input row: its shard, or why it was not recorded."""
+    """One replica: the job's target (draft-free), recording a block of rows per call, a
+    shard per engine batch. Returns one row per input row: its shard, or why it was not
+    recorded."""
 
     def __init__(self, job: Job, out: str, hidden: bool):
         import torch
@@ -104,29 +105,33 @@ class RecordingActor:
         from spot.decode import Request
         from spot.drafters.recipes import record_trajectories
 
-        rows = batch.to_pylist()
         errors: list[str | None] = []
-        requests = []
-        for row in rows:
+        requests: list[Request] = []
+        for row in batch.to_pylist():
             ids, error = self.engine._prompt_ids(row.get(ROW_ERROR), row)
             errors.append(error)
             if error is None:
                 key = request_key(row[ID], row[SAMPLE_INDEX])
                 requests.append(Request(torch.tensor(ids, dtype=torch.long), key))
-        shard = None
-        if requests:
-            config, batch_size = self.engine.config, self.job.resources.batch_size
+        # a shard per engine batch: what one shard holds (and a replica keeps in memory
+        # before writing it) stays small however large the blocks are
+        size = self.job.resources.batch_size
+        names: list[str] = []
+        for start in range(0, len(requests), size):
+            chunk = requests[start : start + size]
             traj = record_trajectories(
-                self.engine.target, requests, config, batch_size, self.hidden
+                self.engine.target, chunk, self.engine.config, size, self.hidden
             )
             traj.meta["model"] = self.job.model.path
-            shard = shard_name([r.key for r in requests])
-            self.folder.write(shard, traj.to_bytes())
+            names += [shard_name([r.key for r in chunk])] * len(chunk)
+            self.folder.write(names[-1], traj.to_bytes())
+        recorded = iter(names)
+        shards = [None if error else next(recorded) for error in errors]
         return pa.table(
             {
                 ID: batch.column(ID),
                 SAMPLE_INDEX: batch.column(SAMPLE_INDEX),
-                "shard": pa.array([None if e else shard for e in errors], pa.string()),
+                "shard": pa.array(shards, pa.string()),
                 "error": pa.array(errors, pa.string()),
             }
         )

@@ -299,7 +299,9 @@ def submit_to_cluster(
     asyncio.run(follow())
     status = client.get_job_status(job_id)
     if status != JobStatus.SUCCEEDED:
-        raise RuntimeError(f"Ray job {job_id} ended {status}")
+        raise RuntimeError(
+            f"Ray job {job_id} ended {status}: what it wrote is kept; submit again to finish"
+        )
 
 
 def _portable(job: Job) -> Job:

@@ -79,3 +79,46 @@ def test_calibrate_spiffy_reads_a_shard_folder(tmp_path):
 def test_record_trajectories_takes_a_job_file_or_a_model(args, message):
     result = CliRunner().invoke(main, ["record-trajectories", *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_folder_knows_the_rows_it_holds(tmp_path):
+    """Recording again into a folder skips the (row, sample) pairs its shards hold."""
+    import pyarrow as pa
+
+    from pipeline.recording import RecordingFolder, _done_rows
+    from spot.decode import Request
+    from spot.noise import request_key
+
+    target = ToyTarget(seed=3, sharpness=4.0)
+    prompt = torch.tensor([1, 2, 3])
+    held = [Request(prompt, request_key("a", 1)), Request(prompt, request_key("b", 0))]
+    folder = RecordingFolder(str(tmp_path))
+    folder.write("shard-x.pt", record_trajectories(target, held, CONFIG, 2).to_bytes())
+    (tmp_path / ".shard-y.pt.partial").write_bytes(b"killed")
+    folder.remove_partial_files()
+    assert [p.name for p in tmp_path.iterdir()] == ["shard-x.pt"]
+    done = _done_rows(pa.array(["a", "b", "c"]), 2, folder.recorded_keys())
+    assert sorted(done.to_pylist()) == ["a\x1f1", "b\x1f0"]
+
+
+def test_recording_a_job_again_finds_nothing_to_do_and_reads_no_drafter(tmp_path):
+    """A job whose rows its folder already holds records nothing (and starts no Ray); the
+    job's drafter, perhaps the one to be trained on this recording, need not exist."""
+    import yaml
+
+    from spot.decode import Request
+    from spot.noise import request_key
+    from tests.pipeline_fixtures import job_dict, write_prompts
+
+    prompts = write_prompts(tmp_path / "p.parquet", {"id": ["a", "b"], "prompt": ["x", "y"]})
+    job = job_dict(prompts, "builtin:sdar-nano", tmp_path / "unused")
+    job["drafter"] = {"kind": "spot", "path": str(tmp_path / "not-trained-yet.safetensors")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    keys = [request_key("a"), request_key("b")]
+    held = [Request(torch.tensor([1, 2, 3]), key) for key in keys]
+    target = ToyTarget(seed=3, sharpness=4.0)
+    record_trajectories(target, held, CONFIG, 2).save(tmp_path / "shards" / "shard-x.pt")
+    args = ["record-trajectories", str(tmp_path / "job.yaml"), "--out", str(tmp_path / "shards")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "2 already recorded, 0 to record" in result.output
