@@ -1,134 +1,64 @@
-"""A two-node Ray cluster on this machine: a head and a worker started as separate processes
-(`ray start --block`, distinct ports and resources), a job submitted to it by address through
-the Ray Jobs API (`spot-pipeline submit --address`), replicas on both nodes, and output
-identical to the same job run on an embedded single-node Ray.
+"""A two-node Ray cluster on this machine (tests.ray_cluster: head and worker as separate
+`ray start --block` processes with their own ports and resources, token authentication):
 
-Each node is stopped by terminating the `ray start --block` process this test started, which
-takes its Ray processes down with it; `ray stop` would stop every Ray on the machine."""
+- a job submitted to it by address through the Ray Jobs API (`spot-pipeline submit
+  --address`) runs replicas on both nodes, and its output equals the same job's on an
+  embedded single-node Ray;
+- a recording of a job's trajectories by its 2 replicas on the cluster (`record-trajectories
+  JOB --address`) holds exactly the trajectories of the single-process recording of the same
+  prompts, and `train-drafter` trains from its shard folder.
+
+Faults (a killed replica, a lost node) are in tests/test_cluster_faults.py.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
+from tests.ray_cluster import ROOT, LocalCluster, two_nodes
 
-pytestmark = pytest.mark.slow  # two Ray nodes and two job runs: about two minutes on 2 cores
+# about 4 minutes on 2 busy cores; CI runs them with -m cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).parent / "ray")
 CLI = [sys.executable, "-m", "pipeline.cli"]
 ROWS = 12
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _env() -> dict[str, str]:
-    """Every process of this cluster agrees on auth (a token file would switch it on), and
-    the job's entrypoint (`python -m pipeline.cli ...`) finds this environment's python."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "PATH": path}
-
-
-def _node_ports(ports: list[int]) -> list[str]:
-    names = (
-        "node-manager-port",
-        "object-manager-port",
-        "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port",
-        "metrics-export-port",
-        "runtime-env-agent-port",
-    )
-    return [f"--{name}={port}" for name, port in zip(names, ports)]
-
-
-def _wait_for_nodes(dashboard: str, count: int, timeout: float = 120.0) -> list[dict]:
-    from ray.util.state import list_nodes
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            nodes = [n for n in list_nodes(address=dashboard) if n.state == "ALIVE"]
-            if len(nodes) >= count:
-                return nodes
-        except Exception:  # the dashboard is not up yet
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{count} Ray nodes did not come up in {timeout:.0f} s")
-        time.sleep(1.0)
-
-
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    """Head (2 CPUs) and worker (2 CPUs, resource worker_node) as separate processes."""
-    temp_dir = tmp_path_factory.mktemp("ray")
-    gcs, dashboard, client, *ports = _free_ports(15)
-    common = ["--block", "--disable-usage-stats", "--num-cpus=2"]
-    head = subprocess.Popen(
-        [
-            RAY,
-            "start",
-            "--head",
-            f"--port={gcs}",
-            f"--dashboard-port={dashboard}",
-            "--dashboard-host=127.0.0.1",
-            "--include-dashboard=true",
-            f"--ray-client-server-port={client}",
-            f"--temp-dir={temp_dir}",
-            *_node_ports(ports[:6]),
-            *common,
-        ],
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+def cluster():
+    with two_nodes() as cluster:
+        yield cluster
+
+
+def _run(cluster: LocalCluster, args: list[str], embedded: bool = False):
+    """A `spot-pipeline` command in the cluster's environment (or, embedded, without its
+    token: an embedded Ray is a private cluster of its own)."""
+    env = cluster.env
+    if embedded:
+        env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    result = subprocess.run(
+        [*CLI, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
-    worker = None
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        _wait_for_nodes(address, 1)
-        worker = subprocess.Popen(
-            [
-                RAY,
-                "start",
-                f"--address=127.0.0.1:{gcs}",
-                '--resources={"worker_node": 1}',
-                *_node_ports(ports[6:12]),
-                *common,
-            ],
-            env=_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        nodes = _wait_for_nodes(address, 2)
-        yield address, nodes
-    finally:
-        for process in (worker, head):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _replica_nodes(cluster: LocalCluster, actor_class: str) -> set[str]:
+    """Names of the nodes (by their custom resource) that ran replicas of `actor_class`."""
+    nodes = {n["node_id"]: n["resources_total"] for n in cluster.state("nodes")}
+    return {
+        "worker" if nodes[a["node_id"]].get("worker_node") else "head"
+        for a in cluster.state("actors")
+        if f"MapBatches({actor_class})" in a["class_name"]
+    }
 
 
 def _job_file(root: Path, name: str, model: Path) -> Path:
@@ -155,42 +85,59 @@ def _completions(output: Path) -> dict[str, list[int]]:
     return {r["id"]: r["completion_token_ids"] for r in rows}
 
 
-def test_job_submitted_by_address_runs_on_both_nodes_and_matches_one_node(two_nodes, tmp_path):
-    from ray.util.state import list_actors
-
-    address, nodes = two_nodes
-    assert {bool(n.resources_total.get("worker_node")) for n in nodes} == {True, False}
-
+def test_job_submitted_by_address_runs_on_both_nodes_and_matches_one_node(cluster, tmp_path):
     model = make_tiny_sdar(tmp_path / "model")
     cluster_job = _job_file(tmp_path, "cluster", model)
-    result = subprocess.run(
-        [*CLI, "submit", str(cluster_job), "--address", address],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _run(cluster, ["submit", str(cluster_job), "--address", cluster.address])
     assert "submitted as Ray job" in result.stdout
-
-    replicas = [
-        a
-        for a in list_actors(address=address, detail=True, limit=1000)
-        if "MapWorker" in a.class_name
-    ]
-    used = {a.node_id for a in replicas}
-    assert used == {n.node_id for n in nodes}, json.dumps([a.class_name for a in replicas])
+    assert _replica_nodes(cluster, "GenerationActor") == {"head", "worker"}
 
     local_job = _job_file(tmp_path, "local", model)
-    env = {k: v for k, v in _env().items() if k != "RAY_ADDRESS"}
-    result = subprocess.run(
-        [*CLI, "submit", str(local_job)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _run(cluster, ["submit", str(local_job)], embedded=True)
     assert _completions(tmp_path / "cluster") == _completions(tmp_path / "local")
+
+
+def test_trajectories_recorded_by_two_replicas_equal_one_process_and_train(cluster, tmp_path):
+    from pipeline.drafter_data import corpus_prompts
+    from spot.drafters.trajectory import _FIELDS, Trajectories
+
+    count, seed = 8, 3
+    prompts = corpus_prompts("train", count, seed)  # what --prompts 8 --seed 3 records
+    table = {"id": [p["id"] for p in prompts], "prompt": [p["prompt"] for p in prompts]}
+    decoding = {"gen_length": 32, "block_length": 16, "temperature": 0.7, "seed": seed}
+    job = job_dict(
+        write_prompts(tmp_path / "prompts.parquet", table),
+        "builtin:sdar-nano",
+        tmp_path / "unused",
+        decoding={**decoding, "rule": "static", "tokens_per_step": 1, "threshold": 0.9},
+        resources={"replicas": 2, "batch_size": 2, "num_cpus": 1},
+    )
+    job["model"] = {"path": "builtin:sdar-nano"}  # float32, as the single-process command
+    job_file = tmp_path / "record.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    shards = tmp_path / "shards"
+    record = ["record-trajectories", str(job_file), "--out", str(shards), "--hidden"]
+    result = _run(cluster, [*record, "--address", cluster.address])
+    assert f"recorded {count} requests" in result.stdout
+    assert _replica_nodes(cluster, "RecordingActor") == {"head", "worker"}
+    assert len(list(shards.glob("shard-*.pt"))) >= 2
+
+    single = tmp_path / "single.pt"
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in decoding.items()]
+    record = ["record-trajectories", "--model", "builtin:sdar-nano", "--out", str(single)]
+    _run(cluster, [*record, "--prompts", str(count), "--hidden", *options])
+
+    recorded, expected = Trajectories.load(shards), Trajectories.load(single).canonical()
+    for name in _FIELDS:
+        assert torch.equal(getattr(recorded, name), getattr(expected, name)), name
+    assert torch.equal(recorded.hidden, expected.hidden)
+    assert recorded.meta == expected.meta and recorded.meta["requests"] == count
+
+    drafter = tmp_path / "spot.safetensors"
+    train = ["train-drafter", "--trajectories", str(shards), "--model", "builtin:sdar-nano"]
+    train += ["--out", str(drafter), "--epochs", "3", "--budget", "4", "--eval-prompts", "2"]
+    _run(cluster, train)
+    assert drafter.is_file()
+
+    again = _run(cluster, ["record-trajectories", str(job_file), "--out", str(shards)])
+    assert f"{count} already recorded, 0 to record" in again.stdout
