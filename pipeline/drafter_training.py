@@ -161,6 +161,14 @@ def _record_here(model_path, out, prompts, batch_size, hidden, kw) -> None:
     click.echo(f"{traj.segment.numel()} transitions of {len(requests)} requests -> {out}")
 
 
+def _load_trajectories(path: str) -> Trajectories:
+    """A recording file or shard folder; one that cannot be read is a bad --trajectories."""
+    try:
+        return Trajectories.load(path)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--trajectories") from error
+
+
 _trajectories_option = click.option(
     "--trajectories",
     required=True,
@@ -210,7 +218,7 @@ def train_command(
         raise click.UsageError("--adapt-from adapts SPOT-Sets checkpoints (--kind spot-sets)")
     if objective is not None and kind != "spot":
         raise click.UsageError("--objective chooses how SPOT's order model learns (--kind spot)")
-    traj = Trajectories.load(trajectories)
+    traj = _load_trajectories(trajectories)
     meta = traj.meta
     tokenizer, target = load_model_and_tokenizer(model_path)
     bar = tqdm(desc=f"training {kind}", unit="step")
@@ -256,7 +264,7 @@ def train_command(
 @click.option("--depth", default=8, show_default=True)
 def calibrate_command(trajectories, out, budget, depth):
     """Calibrate Spiffy's draft graph on traced draft-free trajectories."""
-    graph = calibrate(Trajectories.load(trajectories), budget, depth)
+    graph = calibrate(_load_trajectories(trajectories), budget, depth)
     graph.save(out)
     click.echo(f"{len(graph.paths)} nodes, deepest {max(map(len, graph.paths))} -> {out}")
 

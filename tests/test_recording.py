@@ -122,3 +122,16 @@ def test_recording_a_job_again_finds_nothing_to_do_and_reads_no_drafter(tmp_path
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "2 already recorded, 0 to record" in result.output
+
+
+def test_a_folder_without_shards_or_with_clashing_ones_is_a_bad_trajectories_option(tmp_path):
+    target = ToyTarget(seed=3, sharpness=4.0)
+    args = ["calibrate-spiffy", "--trajectories", str(tmp_path), "--out", str(tmp_path / "g")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "Invalid value for --trajectories" in result.output
+    assert "holds no trajectory shards (shard-*.pt)" in result.output
+    reqs = requests(2, seed=5)
+    record_trajectories(target, reqs, CONFIG, 2).save(tmp_path / "shard-a.pt")
+    record_trajectories(target, reqs[1:], CONFIG, 2).save(tmp_path / "shard-b.pt")
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "is recorded in shard-a.pt and shard-b.pt" in result.output
