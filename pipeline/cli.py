@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 
 import click
 
@@ -128,10 +129,12 @@ def submit(
     """Run JOB_FILE: generate every row not yet in its output, then write summary.json.
 
     Submitting again resumes; an output made with other settings (fingerprint.json) is
-    refused."""
+    refused. What Ray prints goes to the output's logs/ folder; a failure prints one message
+    naming that log."""
     job = _load_or_exit(job_file, overrides)
     _plan_or_exit(job, job_file)
     from pipeline.ray_auth import client_token_from_environment, use_loopback
+    from pipeline.runlog import failure_reason, run_log
 
     address = None if in_cluster else address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -139,15 +142,46 @@ def submit(
         from pipeline.runner import submit_to_cluster
 
         command = ("submit", "--overwrite") if overwrite else ("submit",)
-        submit_to_cluster(job, address, echo=click.echo, command=command)
+        try:  # the cluster checks the output and keeps the log, where it can reach them
+            submit_to_cluster(job, address, echo=click.echo, command=command)
+        except Exception as error:
+            click.echo(f"[{job.name}] failed: {failure_reason(error)}", err=True)
+            sys.exit(1)
         return
     if not in_cluster:
         use_loopback()  # read by Ray when imported, just below
-    _claim_or_exit(job, job_file, overwrite)
+    output = _claim_or_exit(job, job_file, overwrite)
     from pipeline.runner import run_job
 
     ray_address = "auto" if in_cluster else None
-    run_job(job, ray_address=ray_address, echo=click.echo, progress_interval=progress_interval)
+    failure: BaseException | None = None
+    terminal = sys.stdout
+    with run_log(output, "submit") as (log_path, log):
+
+        def echo(line: str) -> None:
+            click.echo(line, file=terminal)
+            log.write(line + "\n")
+
+        bar = terminal if terminal.isatty() else None
+        try:
+            run_job(
+                job,
+                ray_address=ray_address,
+                echo=echo,
+                progress_interval=progress_interval,
+                progress_bar=bar,
+            )
+        except (Exception, KeyboardInterrupt) as error:
+            log.write(traceback.format_exc())
+            failure = error
+    if isinstance(failure, KeyboardInterrupt):
+        click.echo(f"[{job.name}] interrupted; the rows written are kept", err=True)
+        click.echo(f"  the full log: {log_path}", err=True)
+        sys.exit(130)
+    if failure is not None:
+        click.echo(f"[{job.name}] failed: {failure_reason(failure)}", err=True)
+        click.echo(f"  the rows written are kept; the full log: {log_path}", err=True)
+        sys.exit(1)
 
 
 def _claim_or_exit(job, job_file: str, overwrite: bool):

@@ -13,5 +13,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   .venv/bin/pip install -q ${TORCH_SPEC:-torch==2.13.0} 2>&1 | grep -v -i "warning: location" || true
 fi
-.venv/bin/pip install -q -e ".[dev]" 2>&1 | grep -v -i "warning: location" || true
+# setuptools tells every editable install to beware of folders named like the package
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e ".[dev]" 2>&1 \
+  | grep -v -i "warning: location" || true
 .venv/bin/python -c "import torch, spot, pipeline" 

@@ -23,6 +23,7 @@ import yaml
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from spot.builtin import resolve_builtin
 from tests.pipeline_fixtures import (
     job_dict,
     make_tiny_sdar,
@@ -102,6 +103,9 @@ def test_submit_then_report(job_file: Path):
     assert "[progress] 12/12 rows (0 errors)" in submit.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["totals"]["rows"] == 12 and summary["job"]["decoding"]["samples_per_prompt"] == 2
+    assert noise(submit.stdout + submit.stderr) == []  # Ray's lines went to the run's log
+    [log] = (out / "logs").glob("submit-*.log")
+    assert "0 already written, 12 to generate" in log.read_text()
 
     report = CliRunner().invoke(main, ["report", str(out)])
     assert report.exit_code == 0, report.output
@@ -392,6 +396,7 @@ def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_p
     first = run_cli("submit", str(_nano_job(tmp_path, limit=3, drafter="none", batch_size=2)))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "0 already written, 3 to generate" in first.stdout
+    assert noise(first.stdout + first.stderr) == []
     fingerprint = json.loads((out / "fingerprint.json").read_text())
     assert fingerprint["decoding.temperature"] == 0.8 and "drafter.kind" not in fingerprint
 
@@ -424,3 +429,24 @@ def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_p
     assert "0 already written, 6 to generate" in again.stdout
     assert _tokens(out) == corpus
     assert json.loads((out / "summary.json").read_text())["totals"]["rows"] == 6
+    assert len(list((out / "logs").glob("submit-*.log"))) == 4  # the refusal ran nothing
+
+
+def test_a_failing_job_prints_one_message_and_keeps_the_log(tmp_path: Path):
+    """A checkpoint whose weights are broken passes validation (only its config is read)
+    and fails in the replica: two lines on the terminal, the traceback in the run's log."""
+    model = tmp_path / "model"
+    shutil.copytree(resolve_builtin("targets/sdar-nano"), model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    job = _nano_job(tmp_path, limit=2, drafter="none", batch_size=2)
+    result = run_cli("submit", str(job), "--set", f"model.path={model}")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert noise(result.stdout) == []
+    [log] = (tmp_path / "out" / "logs").glob("submit-*.log")
+    assert result.stderr.splitlines() == [
+        "[nano] failed: SafetensorError: Error while deserializing header: invalid header length",
+        f"  the rows written are kept; the full log: {log}",
+    ]
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "SafetensorError" in text
