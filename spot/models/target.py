@@ -15,7 +15,7 @@ Two attention regimes (docs/design.md §1.2):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -100,8 +100,39 @@ class DiffusionTarget:
         _check_windows(contexts, windows, block_length, self.decoding.block_causal)
         with torch.inference_mode():
             if self.decoding.block_causal:
-                return self._score_cached(contexts, windows, block_length, output_hidden)
+                return self._score_by_width(contexts, windows, block_length, output_hidden)
             return self._score_sequences(contexts, windows, block_length, output_hidden)
+
+    def _score_by_width(self, contexts, windows, block_length, output_hidden) -> Scores:
+        """Rows of one forward are padded to the widest. A request with final tokens still to
+        cache (a prompt, a block just finished) has a row a prefix wider than the others, and
+        on the CPU, where a forward costs what its tokens cost, padding included, the others
+        would pay for that width: there the requests with a prefix and those without run as
+        two forwards (sdar-tiny, 32 requests decoding at once, admitted as others finish:
+        about 20% less CPU time). On a GPU, where a forward's width is nearly free, one."""
+        shortest = [0] * len(contexts)
+        for w in windows:
+            shortest[w.context] = min(shortest[w.context] or w.tokens.numel(), w.tokens.numel())
+        prefixed = [n > block_length for n in shortest]  # its windows share the prefix
+        if self.device.type != "cpu" or len(set(prefixed)) < 2:
+            return self._score_cached(contexts, windows, block_length, output_hidden)
+        logits: list[torch.Tensor] = [None] * len(windows)  # type: ignore[list-item]
+        hidden: list[torch.Tensor] = [None] * len(windows)  # type: ignore[list-item]
+        for flag in (True, False):
+            group = [c for c in range(len(contexts)) if prefixed[c] == flag]
+            local = {c: i for i, c in enumerate(group)}
+            picked = [i for i, w in enumerate(windows) if w.context in local]
+            part = self._score_cached(
+                [contexts[c] for c in group],
+                [replace(windows[i], context=local[windows[i].context]) for i in picked],
+                block_length,
+                output_hidden,
+            )
+            for j, i in enumerate(picked):
+                logits[i] = part.logits[j]
+                if part.hidden is not None:
+                    hidden[i] = part.hidden[j]
+        return Scores(torch.stack(logits), torch.stack(hidden) if output_hidden else None)
 
     def attention_mask(self, length: int, block_length: int) -> torch.Tensor | None:
         """The family's attention over a whole sequence of `length` (bool [1, 1, L, L], None =
