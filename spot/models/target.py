@@ -108,8 +108,9 @@ class DiffusionTarget:
         cache (a prompt, a block just finished) has a row a prefix wider than the others, and
         on the CPU, where a forward costs what its tokens cost, padding included, the others
         would pay for that width: there the requests with a prefix and those without run as
-        two forwards (sdar-tiny, 32 requests decoding at once, admitted as others finish:
-        about 20% less CPU time). On a GPU, where a forward's width is nearly free, one."""
+        two forwards (continuous batching admits requests at any iteration, so at large batch
+        sizes most forwards have such a row). On a GPU, where a forward's width is nearly
+        free, one."""
         shortest = [0] * len(contexts)
         for w in windows:
             shortest[w.context] = min(shortest[w.context] or w.tokens.numel(), w.tokens.numel())
