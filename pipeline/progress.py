@@ -112,7 +112,7 @@ class ProgressPrinter:
                 desc=f"[{self.name}]",
                 unit="row",
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows "
-                "[{elapsed}] {postfix}",
+                "[{elapsed}{postfix}]",
                 dynamic_ncols=True,
             )
         self._thread.start()
