@@ -10,6 +10,8 @@ import importlib
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
 import click
 
@@ -21,6 +23,7 @@ COMMANDS = {
     "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",
     "calibrate-spot": "pipeline.drafter_training:calibrate_spot_command",
 }
+T = TypeVar("T")  # what a checked call returns
 
 
 class LazyGroup(click.Group):
@@ -46,29 +49,30 @@ def main() -> None:
     """Lossless speculative decoding (SPOT) for diffusion LMs, as Ray Data batch jobs."""
 
 
-def _load_or_exit(job_file: str, overrides: tuple[str, ...]):
-    from pipeline.job import JobError, load_job
+def _or_exit(header: str, check: Callable[[], T]) -> T:
+    """What `check` returns; when it raises JobError, `header` and its problems, one per
+    line, and exit status 2."""
+    from pipeline.job import JobError
 
     try:
-        return load_job(job_file, overrides)
+        return check()
     except JobError as error:
-        click.echo(f"invalid job {job_file}:", err=True)
+        click.echo(header, err=True)
         for problem in error.problems:
             click.echo(f"  {problem}", err=True)
         sys.exit(2)
+
+
+def _load_or_exit(job_file: str, overrides: tuple[str, ...]):
+    from pipeline.job import load_job
+
+    return _or_exit(f"invalid job {job_file}:", lambda: load_job(job_file, overrides))
 
 
 def _plan_or_exit(job, job_file: str):
     from pipeline.inputs import plan_input
-    from pipeline.job import JobError
 
-    try:
-        return plan_input(job.input)
-    except JobError as error:
-        click.echo(f"invalid job {job_file}:", err=True)
-        for problem in error.problems:
-            click.echo(f"  {problem}", err=True)
-        sys.exit(2)
+    return _or_exit(f"invalid job {job_file}:", lambda: plan_input(job.input))
 
 
 _set_option = click.option(
@@ -188,15 +192,8 @@ def _claim_or_exit(job, job_file: str, overwrite: bool):
     """The output folder, checked against the job's fingerprint (and emptied first with
     --overwrite); an output made with other settings exits naming what differs."""
     from pipeline.fingerprint import claim_output
-    from pipeline.job import JobError
 
-    try:
-        return claim_output(job, overwrite)
-    except JobError as error:
-        click.echo(f"cannot submit {job_file}:", err=True)
-        for problem in error.problems:
-            click.echo(f"  {problem}", err=True)
-        sys.exit(2)
+    return _or_exit(f"cannot submit {job_file}:", lambda: claim_output(job, overwrite))
 
 
 main.add_command(submit)
