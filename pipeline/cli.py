@@ -91,6 +91,9 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE (schema, paths, builtins, input columns) without running it."""
     job = _load_or_exit(job_file, overrides)
     plan = _plan_or_exit(job, job_file)
+    from pipeline.fingerprint import check_resume
+
+    _or_exit(f"invalid job {job_file}:", lambda: check_resume(job))
     duplicates = plan.duplicate_ids.num_rows
     click.echo(
         f"ok: {job.name}: {plan.num_rows} rows in {len(plan.files)} file(s), "

@@ -22,8 +22,9 @@ import hashlib
 import json
 import os
 import posixpath
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -37,6 +38,7 @@ INPUT_KEYS_FREE = ("path", "limit")  # where the rows are and how many: not how 
 # None where the job was claimed (a hub id its replicas download): not compared then
 UNKNOWABLE = ("model.checkpoint", "model.family")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+T = TypeVar("T")
 
 
 class ResumeRefused(JobError):
@@ -94,6 +96,13 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return changed
 
 
+def check_resume(job: Job) -> None:
+    """Raise ResumeRefused when the job's output holds rows of another fingerprint (reads
+    only: what `validate` asks)."""
+    output = OutputDir(job.output.path)
+    _refuse_other_rows(output, fingerprint(job), _io(read_fingerprint, output))
+
+
 def claim_output(job: Job, overwrite: bool = False) -> OutputDir:
     """The job's output folder, checked and marked for this job before anything runs: with
     `overwrite`, emptied of its rows, summary and report (its logs stay); else refused
@@ -102,25 +111,40 @@ def claim_output(job: Job, overwrite: bool = False) -> OutputDir:
     output = OutputDir(job.output.path)
     current = fingerprint(job)
     if overwrite:
-        clear_output(output)
-    recorded = read_fingerprint(output)
-    if output.part_files():
-        made_with = recorded or _fingerprint_of_summary(output)
-        changed = differences(made_with, current) if made_with else []
-        if changed:
-            raise ResumeRefused(
-                [
-                    f"output.path: {output.uri} holds rows made with other settings "
-                    f"({FINGERPRINT_FILE}); resuming would mix them with this job's:",
-                    *(f"  {line}" for line in changed),
-                    "submit with --overwrite to delete those rows and start again, or set "
-                    "another output.path",
-                ]
-            )
+        _io(clear_output, output)
+    recorded = _io(read_fingerprint, output)
+    _refuse_other_rows(output, current, recorded)
     if recorded != current:
         text = json.dumps(current, indent=2).encode()
-        write_atomically(output.filesystem, _path(output), lambda f: f.write(text))
+        _io(write_atomically, output.filesystem, _path(output), lambda f: f.write(text))
     return output
+
+
+def _refuse_other_rows(
+    output: OutputDir, current: dict[str, Any], recorded: dict[str, Any] | None
+) -> None:
+    if not _io(output.part_files):
+        return
+    made_with = recorded or _fingerprint_of_summary(output)
+    changed = differences(made_with, current) if made_with else []
+    if changed:
+        raise ResumeRefused(
+            [
+                f"output.path: {output.uri} holds rows made with other settings "
+                f"({FINGERPRINT_FILE}); resuming would mix them with this job's:",
+                *(f"  {line}" for line in changed),
+                "submit with --overwrite to delete those rows and start again, or set "
+                "another output.path",
+            ]
+        )
+
+
+def _io(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` on the output's file system; what it raises becomes a JobError."""
+    try:
+        return call(*args)
+    except (OSError, ValueError) as error:
+        raise JobError([f"output.path: {error}"]) from error
 
 
 def read_fingerprint(output: OutputDir) -> dict[str, Any] | None:
@@ -146,8 +170,8 @@ def clear_output(output: OutputDir) -> None:
 def _fingerprint_of_summary(output: OutputDir) -> dict[str, Any] | None:
     """The fingerprint of the job an output made before fingerprints were recorded, from its
     summary.json, when that job still parses."""
-    job = (output.read_summary() or {}).get("job")
     try:
+        job = (output.read_summary() or {}).get("job")
         return fingerprint(parse_job(job)) if job else None
     except (JobError, OSError, ValueError):
         return None

@@ -414,6 +414,9 @@ def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_p
         "output.path",
     ]
 
+    checked = CliRunner().invoke(main, ["validate", str(other), *changed])
+    assert checked.exit_code == 2 and "    decoding.seed: 1 -> 7\n" in checked.output
+
     resumed = run_cli("submit", str(other))  # another drafter and batch size: token-neutral
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "3 already written, 3 to generate" in resumed.stdout
