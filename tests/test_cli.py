@@ -287,11 +287,11 @@ def test_a_read_only_output_folder_is_refused(tmp_path: Path):
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def test_tensor_parallel_ranks_need_the_gpus_a_machine_has(job_file: Path):
+def test_tensor_parallel_ranks_need_the_gpus_a_machine_has(job_file: Path, tmp_path: Path):
     """tensor_parallel 2 with num_gpus 0 runs its ranks on CPU: refused on a machine with
     GPUs (a forgotten key), the way to shard on a machine without."""
     overrides = ["--set", "model.tensor_parallel=2", "--set", "model.dtype=float32"]
-    overrides += ["--set", "resources.num_gpus=0"]
+    overrides += ["--set", "resources.num_gpus=0", "--set", f"output.path={tmp_path / 'out'}"]
     if torch.cuda.is_available():
         output = _refused(job_file, *overrides)
         assert (
@@ -325,7 +325,8 @@ def test_prompt_and_messages_columns_of_another_type_are_refused(job_file: Path,
     mixed = write_jsonl(
         tmp_path / "mixed.jsonl", [{"id": 1, "prompt": 5}, {"id": 2, "prompt": "a"}]
     )
-    result = CliRunner().invoke(main, ["validate", str(job_file), "--set", f"input.path={mixed}"])
+    elsewhere = ["--set", f"input.path={mixed}", "--set", f"output.path={tmp_path / 'out'}"]
+    result = CliRunner().invoke(main, ["validate", str(job_file), *elsewhere])
     assert result.exit_code == 0, result.output  # one bad prompt is an error row, not a bad job
 
 
