@@ -9,14 +9,16 @@ Per iteration, for every active request (DESIGN §1):
 Requests are batched continuously: up to `max_active` decode at once, each at its own block
 and step, and a finished request's place goes to the next waiting one in the same iteration.
 Since a request's transitions depend only on its own states, logits and coupled noise, its
-output does not depend on which requests share its forwards.
+output does not depend on which requests share its forwards. A request may bring a stop
+check (`Request.stop`), asked after each of its blocks completes: stopping there keeps every
+token decoded so far, so a stopped output is the unstopped one up to that block.
 The engine speaks token ids only; it knows nothing of tokenizers or files.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,11 +30,20 @@ from spot.drafting import Drafter, DraftInput, StepNoise
 from spot.target import Target, Window
 from spot.tree import DraftTree, Layout, State, advance, verify_walk
 
+StopCheck = Callable[[torch.Tensor], bool]
+"""Whether a request should end, given its generated ids [G] so far (its completed blocks,
+no EOS among them: a block holding one ends the request anyway); called each time one of its
+blocks completes. It may keep state between calls (an incremental detokenizer); a request
+decoded again from its start calls it again from its first block, with fewer ids."""
+
 
 @dataclass(frozen=True)
 class Request:
     prompt: torch.Tensor  # [P] long token ids
     key: int  # coupled-noise key of this sample (noise.request_key)
+    # ends the request after a block for which it returns True (finish reason "stop"): the
+    # tokens up to the end of that block are the target's own, the rest EOS-filled
+    stop: StopCheck | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -64,7 +75,7 @@ def requests_per_forward(stats: Iterable[RequestStats]) -> float:
 @dataclass(frozen=True)
 class Result:
     tokens: torch.Tensor  # [total_length - prompt_length] generated positions, EOS-filled tail
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "stop" (the request's StopCheck ended it)
     stats: RequestStats = field(compare=False)
 
 
@@ -99,10 +110,16 @@ class _Active:
     sequence: torch.Tensor  # [total_length] tokens, positions before the root's origin final
     root: State
     admitted: float  # time.perf_counter() when it began decoding
+    stop: StopCheck | None = None
+    stopped: bool = False  # its StopCheck ended it after its last completed block
     stale_state: State | None = None
     stale_logits: torch.Tensor | None = None
     stale_hidden: torch.Tensor | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def ended(self) -> bool:
+        return self.root.done or self.stopped
 
 
 def generate(
@@ -145,9 +162,9 @@ def stream(
     while True:
         # requests that ended leave, waiting ones take their places
         for a in active:
-            if a.root.done:
+            if a.ended:
                 yield a.index, _finish(a)
-        active = [a for a in active if not a.root.done]
+        active = [a for a in active if not a.ended]
         while max_active is None or len(active) < max_active:
             index, request = next(waiting, (None, None))
             if request is None:
@@ -185,11 +202,14 @@ def stream(
             a.stale_state = tree.nodes[last]
             a.stale_logits = scores.logits[offset + last]
             a.stale_hidden = None if scores.hidden is None else scores.hidden[offset + last]
+            origin = a.root.origin
             a.root = _rebase(a, successors[offset + last])
+            if a.stop is not None and not a.root.done and a.root.origin > origin:
+                a.stopped = a.stop(a.sequence[a.layout.prompt_length : a.root.origin])
             offset += nodes
         if drafter is not None and drafted:
             drafter.observe_forward(verify_seconds, drafted_steps / len(drafted))
-        noise.keep_ahead((a.key, a.root.step) for a in active if not a.root.done)
+        noise.keep_ahead((a.key, a.root.step) for a in active if not a.ended)
 
 
 def _open(target: Target, index: int, request: Request, config: DecodingConfig) -> _Active:
@@ -214,7 +234,7 @@ def _open(target: Target, index: int, request: Request, config: DecodingConfig) 
     sequence[: prompt.numel()] = prompt
     context = target.open(prompt, layout.total_length)
     root = State(layout.first_block, layout.initial_block(prompt), 0, 0)
-    return _Active(index, request.key, layout, context, sequence, root, admitted)
+    return _Active(index, request.key, layout, context, sequence, root, admitted, request.stop)
 
 
 def _rebase(a: _Active, state: State) -> State:
@@ -230,16 +250,18 @@ def _rebase(a: _Active, state: State) -> State:
 
 
 def _finish(a: _Active) -> Result:
-    """The result of a request whose root ended; its target context is let go (a KV cache
-    of its total length, on the target's device)."""
+    """The result of a request whose root ended or that its StopCheck stopped (at the end
+    of its completed blocks); its target context is let go (a KV cache of its total length,
+    on the target's device)."""
     a.context = None
     layout = a.layout
-    end = a.root.origin + a.root.span.numel()
+    end = a.root.origin if a.stopped else a.root.origin + a.root.span.numel()
     tokens = a.sequence[layout.prompt_length :].clone()
     tokens[end - layout.prompt_length :] = layout.eos_ids[0]
     is_eos = torch.isin(tokens[: end - layout.prompt_length], torch.tensor(layout.eos_ids))
     a.stats.wall_seconds = time.perf_counter() - a.admitted
-    return Result(tokens, "eos" if bool(is_eos.any()) else "length", a.stats)
+    reason = "stop" if a.stopped else "eos" if bool(is_eos.any()) else "length"
+    return Result(tokens, reason, a.stats)
 
 
 def _propose(

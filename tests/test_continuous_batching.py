@@ -6,6 +6,8 @@ after 23 to 55 forwards, so requests leave and enter at different iterations."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -101,3 +103,40 @@ def test_continuous_batching_is_token_identical_to_a_static_batch(
         assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
         if drafter is not None:
             assert sum(r.stats.nfe for r in results) < sum(r.stats.nfe for r in expected)
+
+
+@pytest.mark.parametrize("kind", [None, "spot"])
+def test_a_stop_check_ends_a_request_after_its_block(sdar_tiny, static, kind):
+    """A stop check is asked after each block a request completes, with its generated ids:
+    where it says stop (even requests), the request ends after that block ("stop") with
+    the tokens the unstopped decoding has there, EOS after them, in fewer forwards; where
+    it does not (odd requests), the output is the unstopped one. Draft-free and drafted,
+    batched continuously."""
+    target, requests = sdar_tiny
+    config = DecodingConfig(gen_length=64, block_length=32, temperature=0.8)
+    expected = static(config)
+    seen: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+
+    def check(i: int):
+        def stop(ids: torch.Tensor) -> bool:
+            seen[i].append(ids.numel())
+            assert ids.tolist() == expected[i].tokens[: ids.numel()].tolist()
+            return i % 2 == 0
+
+        return stop
+
+    stopping = [replace(r, stop=check(i)) for i, r in enumerate(requests)]
+    drafter = _drafter(kind, target, "static")
+    results = generate(target, stopping, config, drafter, max_active=2)
+    asked = [i for i in range(len(requests)) if seen[i]]  # their first block did not end them
+    assert any(i % 2 == 0 for i in asked) and any(i % 2 for i in asked)
+    for i, (result, unstopped) in enumerate(zip(results, expected, strict=True)):
+        if i % 2 == 0 and seen[i]:
+            [kept] = seen[i]
+            assert 0 < kept < 64 and result.finish_reason == "stop"
+            assert result.tokens[:kept].tolist() == unstopped.tokens[:kept].tolist()
+            assert bool((result.tokens[kept:] == target.eos_ids[0]).all())
+            assert result.stats.nfe < unstopped.stats.nfe
+        else:
+            assert result.tokens.tolist() == unstopped.tokens.tolist()
+            assert result.finish_reason == unstopped.finish_reason
