@@ -1,38 +1,61 @@
-"""The engine one replica holds: tokenizer, target and drafter, built once; it turns a batch
-of input rows into output rows.
+"""Rows to completions in three steps, each a Ray Data stage of a job (pipeline.runner):
 
-Every row comes back: a row that cannot be generated (no id, duplicate id, null / empty /
-non-string prompt, prompt too long for the target, a failure inside generation) becomes a row
-with `error` set and no completion, never a failed batch.
+1. `tokenize_rows` (a CPU stage): each row's prompt ids, through the chat template;
+2. `Engine.generate_rows` (the model replica, holding target and drafter, built once): token
+   ids in, token ids out, decoded continuously `resources.batch_size` requests at a time;
+3. `detokenize_rows` (a CPU stage): the completion text, cut at the first stop string.
+
+`Engine.process` runs the three in this process (`spot-pipeline estimate` measures a replica
+with it). Every row comes back: a row that cannot be generated (no id, duplicate id, null /
+empty / non-string prompt, prompt too long for the target, a failure inside generation)
+becomes a row with `error` set and no completion, never a failed batch; a row that fails an
+earlier step passes the later ones untouched.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
 
-from pipeline.job import Job, resolve_model_path
-from pipeline.prompts import PromptError, cut_at_stop, prompt_ids, prompt_text
-from pipeline.schema import GENERATED_FIELDS, ID, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
+from pipeline.job import InputConfig, Job, resolve_model_path
+from pipeline.prompts import PromptError, cut_at_stop, find_stop, prompt_ids, prompt_text
+from pipeline.schema import (
+    GENERATED_FIELDS,
+    ID,
+    MESSAGES,
+    PROMPT,
+    PROMPT_IDS,
+    ROW_ERROR,
+    SAMPLE_INDEX,
+)
 from spot import noise
 from spot.budget import AutoBudget
-from spot.decode import Drafter, Request, Result, generate
+from spot.decode import Drafter, Request, Result, stream
 from spot.target import Target
 from spot.tree import Layout
 
 
+def load_tokenizer(job: Job, directory: Path | None = None) -> Any:
+    """The tokenizer of job.model (a hub id not yet cached is downloaded), or of its
+    checkpoint `directory` when the caller found it already."""
+    from pipeline.tokenizer import load_tokenizer as load
+    from spot.models.loading import resolve_checkpoint
+
+    return load(directory or resolve_checkpoint(resolve_model_path(job.model.path)))
+
+
 def load_model(job: Job) -> tuple[Any, Target]:
     """The tokenizer and target of job.model (a hub id not yet cached is downloaded)."""
-    from pipeline.tokenizer import load_tokenizer
     from spot.models.loading import DTYPES, load_target, resolve_checkpoint
 
     directory = resolve_checkpoint(resolve_model_path(job.model.path))
     device = "cuda" if job.resources.num_gpus > 0 else "cpu"  # Ray exposes the replica's GPU
-    tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(job, directory)
     if job.model.tensor_parallel > 1:
         target = _sharded_target(job, str(directory))
     else:
@@ -75,8 +98,77 @@ def build_drafter(job: Job, target: Target) -> Drafter | None:
     return AutoBudget(load_drafter(job.drafter.kind, path, largest, target), curve, cost)
 
 
+def tokenize_rows(tokenizer: Any, config: InputConfig, batch: pa.Table) -> pa.Table:
+    """Step 1: `batch` (expanded input rows) with each row's prompt ids (PROMPT_IDS, null
+    where the prompt cannot be built: its reason goes to ROW_ERROR) and PROMPT set to the
+    text the output's prompt column holds (`pipeline.prompts.prompt_text`)."""
+    rows = _prompt_rows(batch)
+    errors = batch.column(ROW_ERROR).to_pylist()
+    ids: list[list[int] | None] = [None] * batch.num_rows
+    for i, row in enumerate(rows):
+        if errors[i] is None:
+            try:
+                ids[i] = prompt_ids(tokenizer, row, config)
+            except PromptError as error:
+                errors[i] = str(error)
+    texts = [prompt_text(row, config) for row in rows]
+    batch = _with_column(batch, PROMPT, pa.array(texts, pa.string()))
+    batch = _with_column(batch, ROW_ERROR, pa.array(errors, pa.string()))
+    return _with_column(batch, PROMPT_IDS, pa.array(ids, pa.list_(pa.int64())))
+
+
+def detokenize_rows(tokenizer: Any, stops: Sequence[str], batch: pa.Table) -> pa.Table:
+    """Step 3: the output rows of `Engine.generate_rows` with their completion text, each
+    cut at its first stop string (text, token ids and count; finish reason `stop`)."""
+    generated = batch.column("completion_token_ids").to_pylist()
+    reasons = batch.column("finish_reason").to_pylist()
+    texts: list[str | None] = [None] * batch.num_rows
+    for i, ids in enumerate(generated):
+        if ids is None:
+            continue
+        generated[i], texts[i], stopped = cut_at_stop(tokenizer, ids, stops)
+        if stopped:
+            reasons[i] = "stop"
+    counts = [None if ids is None else len(ids) for ids in generated]
+    for name, values in (
+        ("completion", texts),
+        ("completion_token_ids", generated),
+        ("num_generated_tokens", counts),
+        ("finish_reason", reasons),
+    ):
+        batch = _with_column(batch, name, pa.array(values, _FIELDS[name].type))
+    return batch
+
+
+class StopStrings:
+    """One request's stop check (`spot.decode.Request.stop`) for the job's stop strings. Each
+    call decodes the ids added since the last one, with enough ids before them that a stop
+    string across the boundary is seen (at most 4 ids per character: byte-level tokens), and
+    confirms an occurrence on the text of all the ids, which is what `cut_at_stop` later
+    searches: a request is never stopped without a stop string in its completion."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stops = list(stops)
+        self.context = 4 * max(len(stop) for stop in self.stops) + 4
+        self.checked = 0  # ids decoded by the last call
+
+    def __call__(self, ids: torch.Tensor) -> bool:
+        if ids.numel() <= self.checked:  # the request is decoded again from its start
+            self.checked = 0
+        new = ids[max(0, self.checked - self.context) :].tolist()
+        self.checked = ids.numel()
+        if find_stop(self._text(new), self.stops) is None:
+            return False
+        return find_stop(self._text(ids.tolist()), self.stops) is not None
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Engine:
-    """Rows in, rows out, for one replica. Knows the tokenizer; `spot` sees token ids only."""
+    """The model replica's step: token ids in, token ids out. Holds the tokenizer for stop
+    checks and for callers that have no tokenize stage; `spot` sees token ids only."""
 
     def __init__(self, job: Job):
         self.job = job
@@ -85,8 +177,8 @@ class Engine:
         self.drafter = build_drafter(job, self.target)
         self.drafter_label = job.drafter_label()
         self.eos_ids = torch.tensor(self.target.eos_ids)
-        # sees (rows, errors, generated tokens, forwards) of each generation batch as it
-        # finishes: the replica's live progress (tokens to the EOS, before stop strings)
+        # sees (rows, errors, generated tokens, forwards) of each group of resources.batch_size
+        # requests as they finish: the replica's live progress (tokens before stop strings)
         self.on_batch: Callable[[int, int, int, int], None] | None = None
 
     def encode(self, row: Mapping[str, Any] | str) -> list[int]:
@@ -107,67 +199,47 @@ class Engine:
         )
         return layout.total_length
 
-    def _prompt_ids(
+    def length_problem(self, prompt_length: int) -> str | None:
+        """Why a prompt of this many ids cannot be generated (too long), None if it can."""
+        needed = self.needed_length(prompt_length)
+        if needed <= self.target.max_length:
+            return None
+        return (
+            f"prompt too long: {prompt_length} tokens + gen_length {self.config.gen_length} "
+            f"need {needed} positions, the target accepts {self.target.max_length}"
+        )
+
+    def prompt_ids(
         self, row_error: str | None, row: Mapping[str, Any]
     ) -> tuple[list[int] | None, str | None]:
+        """A row's prompt ids, or why it cannot be generated (its earlier error, a prompt
+        that cannot be built, one too long for the target), decided as a job's stages decide
+        it: for callers that tokenize in the replica (recording)."""
         if row_error is not None:
             return None, row_error
         try:
             ids = self.encode(row)
         except PromptError as error:
             return None, str(error)
-        needed = self.needed_length(len(ids))
-        if needed > self.target.max_length:
-            return None, (
-                f"prompt too long: {len(ids)} tokens + gen_length {self.config.gen_length} "
-                f"need {needed} positions, the target accepts {self.target.max_length}"
-            )
-        return ids, None
-
-    def _generate(self, requests: Sequence[Request]) -> list[Result | str]:
-        """Results in request order; a request that fails even alone yields its error text."""
-        out: list[Result | str] = []
-        size = self.job.resources.batch_size
-        for start in range(0, len(requests), size):
-            chunk = requests[start : start + size]
-            try:
-                results = generate(self.target, chunk, self.config, self.drafter)
-            except Exception:
-                results = self._generate_alone(chunk)
-            out.extend(results)
-            if self.on_batch is not None:
-                done = [r for r in results if not isinstance(r, str)]
-                tokens = sum(len(self._completion_ids(r.tokens)) for r in done)
-                nfe = sum(r.stats.nfe for r in done)
-                self.on_batch(len(results), len(results) - len(done), tokens, nfe)
-        return out
-
-    def _generate_alone(self, requests: Sequence[Request]) -> list[Result | str]:
-        out: list[Result | str] = []
-        for request in requests:
-            try:
-                out.extend(generate(self.target, [request], self.config, self.drafter))
-            except Exception as error:
-                out.append(f"generation failed: {type(error).__name__}: {error}")
-        return out
-
-    def _completion_ids(self, tokens: torch.Tensor) -> list[int]:
-        """Generated ids up to and including the first EOS (the EOS fill after it dropped)."""
-        is_eos = torch.isin(tokens, self.eos_ids)
-        if bool(is_eos.any()):
-            tokens = tokens[: int(is_eos.nonzero()[0, 0]) + 1]
-        return tokens.tolist()
+        problem = self.length_problem(len(ids))
+        return (None, problem) if problem else (ids, None)
 
     def process(self, batch: pa.Table) -> pa.Table:
-        """Output rows for `batch` (columns id, prompt, sample_index, _row_error and the
-        carried input columns), in the same order."""
+        """Output rows for `batch` (columns id, prompt or messages, sample_index, _row_error
+        and the carried input columns), in the same order: the three steps in this process."""
+        tokenized = tokenize_rows(self.tokenizer, self.job.input, batch)
+        generated = self.generate_rows(tokenized)
+        return detokenize_rows(self.tokenizer, self.job.decoding.stop, generated)
+
+    def generate_rows(self, batch: pa.Table) -> pa.Table:
+        """Step 2: tokenized rows (`tokenize_rows`) to output rows holding the generated ids
+        (completion_token_ids, to the first EOS or the end of the block that held a stop
+        string; `detokenize_rows` cuts and decodes them), in the same order. A row with an
+        error comes back as an error row without being decoded."""
         ids = batch.column(ID).to_pylist()
-        rows = [
-            {PROMPT: prompt, MESSAGES: messages}
-            for prompt, messages in zip(_values(batch, PROMPT), _values(batch, MESSAGES))
-        ]
         samples = batch.column(SAMPLE_INDEX).to_pylist()
-        row_errors = batch.column(ROW_ERROR).to_pylist()
+        errors = batch.column(ROW_ERROR).to_pylist()
+        prompts = batch.column(PROMPT_IDS).to_pylist()
         columns: dict[str, list] = {f.name: [None] * batch.num_rows for f in GENERATED_FIELDS}
         columns["model"] = [self.job.model.path] * batch.num_rows
         columns["drafter"] = [self.drafter_label] * batch.num_rows
@@ -175,15 +247,16 @@ class Engine:
 
         pending: list[int] = []
         requests: list[Request] = []
-        for i, (row_id, row, sample, row_error) in enumerate(zip(ids, rows, samples, row_errors)):
-            token_ids, error = self._prompt_ids(row_error, row)
+        for i, (row_id, sample, error, token_ids) in enumerate(zip(ids, samples, errors, prompts)):
+            error = error or self.length_problem(len(token_ids))
             if error is not None:
                 columns["error"][i] = error
                 columns["finish_reason"][i] = "error"
                 continue
             columns["num_prompt_tokens"][i] = len(token_ids)
             key = noise.request_key(row_id, sample)
-            requests.append(Request(torch.tensor(token_ids, dtype=torch.long), key))
+            prompt = torch.tensor(token_ids, dtype=torch.long)
+            requests.append(Request(prompt, key, self._stop_check()))
             pending.append(i)
 
         auto = self.drafter if isinstance(self.drafter, AutoBudget) else None
@@ -196,23 +269,77 @@ class Engine:
                 columns["error"][i] = result
                 columns["finish_reason"][i] = "error"
                 continue
-            completion_ids, text, stopped = cut_at_stop(
-                self.tokenizer, self._completion_ids(result.tokens), self.job.decoding.stop
-            )
+            completion_ids = self.completion_ids(result)
             stats = result.stats
-            columns["completion"][i] = text
             columns["completion_token_ids"][i] = completion_ids
             columns["num_generated_tokens"][i] = len(completion_ids)
             columns["nfe"][i] = stats.nfe
             columns["steps"][i] = stats.steps
             columns["accepted_steps_per_forward"][i] = stats.steps_per_forward
+            columns["forward_share"][i] = stats.forward_share
             columns["tree_nodes_verified"][i] = stats.tree_nodes
             columns["drafter_seconds"][i] = stats.drafter_seconds
             columns["wall_seconds"][i] = stats.wall_seconds
-            columns["finish_reason"][i] = "stop" if stopped else result.finish_reason
+            columns["finish_reason"][i] = result.finish_reason
+        return _output_table(batch, columns)
 
-        texts = [prompt_text(row, self.job.input) for row in rows]
-        return _output_table(batch, texts, columns)
+    def _stop_check(self) -> StopStrings | None:
+        stops = self.job.decoding.stop
+        return StopStrings(self.tokenizer, stops) if stops else None
+
+    def _generate(self, requests: Sequence[Request]) -> list[Result | str]:
+        """Results in request order, decoded continuously: resources.batch_size requests at
+        a time, a finished one's place taken by the next at once. If decoding fails, the
+        results already made are kept and each unfinished request is decoded alone; one
+        that fails even alone yields its error text."""
+        results: list[Result | str | None] = [None] * len(requests)
+        size = self.job.resources.batch_size
+        group: list[Result | str] = []  # finished since the last progress report
+
+        def finished(index: int, result: Result | str) -> None:
+            results[index] = result
+            group.append(result)
+            if len(group) == size:
+                self._report(group)
+                group.clear()
+
+        try:
+            for index, result in stream(
+                self.target, requests, self.config, self.drafter, max_active=size
+            ):
+                finished(index, result)
+        except Exception:  # the requests left are decoded alone, below
+            pass
+        for index, result in enumerate(results):
+            if result is None:
+                finished(index, self._generate_alone(requests[index]))
+        self._report(group)
+        return results
+
+    def _generate_alone(self, request: Request) -> Result | str:
+        try:
+            [(_, result)] = stream(self.target, [request], self.config, self.drafter)
+        except Exception as error:
+            return f"generation failed: {type(error).__name__}: {error}"
+        return result
+
+    def _report(self, group: list[Result | str]) -> None:
+        if self.on_batch is None or not group:
+            return
+        done = [r for r in group if not isinstance(r, str)]
+        tokens = sum(len(self.completion_ids(r)) for r in done)
+        self.on_batch(len(group), len(group) - len(done), tokens, sum(r.stats.nfe for r in done))
+
+    def completion_ids(self, result: Result) -> list[int]:
+        """Generated ids up to and including the first EOS (the EOS fill after it dropped);
+        for a request its stop check ended, up to the end of that block (no EOS kept: the
+        first one is the fill)."""
+        tokens = result.tokens
+        is_eos = torch.isin(tokens, self.eos_ids)
+        if bool(is_eos.any()):
+            end = int(is_eos.nonzero()[0, 0])
+            tokens = tokens[: end if result.finish_reason == "stop" else end + 1]
+        return tokens.tolist()
 
 
 def _budget_iterations(ran: Counter) -> list[dict[str, int]]:
@@ -229,17 +356,32 @@ def _budget_iterations(ran: Counter) -> list[dict[str, int]]:
     ]
 
 
-def _values(batch: pa.Table, name: str) -> list[Any]:
-    """A column's values, all None when the batch has no such column."""
-    if name not in batch.column_names:
-        return [None] * batch.num_rows
-    return batch.column(name).to_pylist()
+def _prompt_rows(batch: pa.Table) -> list[dict[str, Any]]:
+    """Each row's prompt and messages (None where the batch has no such column), the row
+    form `pipeline.prompts` reads."""
+    prompts, messages = (
+        batch.column(name).to_pylist() if name in batch.column_names else [None] * batch.num_rows
+        for name in (PROMPT, MESSAGES)
+    )
+    return [{PROMPT: p, MESSAGES: m} for p, m in zip(prompts, messages)]
 
 
-def _output_table(batch: pa.Table, texts: list[str | None], columns: dict[str, list]) -> pa.Table:
+def _with_column(batch: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    """`batch` with column `name` replaced by `values`, or added at the end."""
+    index = batch.schema.get_field_index(name)
+    if index < 0:
+        return batch.append_column(name, values)
+    return batch.set_column(index, name, values)
+
+
+_FIELDS = {field.name: field for field in GENERATED_FIELDS}
+INTERNAL = (ROW_ERROR, PROMPT_IDS)  # columns between the steps, never written
+
+
+def _output_table(batch: pa.Table, columns: dict[str, list]) -> pa.Table:
     """id, prompt (its text or null), the generated fields, sample_index, carried columns
     (the conversation of a messages job among them)."""
-    arrays = [batch.column(ID), pa.array(texts, pa.string())]
+    arrays = [batch.column(ID), batch.column(PROMPT)]
     names = [ID, PROMPT]
     for field in GENERATED_FIELDS:
         arrays.append(pa.array(columns[field.name], field.type))
@@ -247,7 +389,7 @@ def _output_table(batch: pa.Table, texts: list[str | None], columns: dict[str, l
     arrays.append(batch.column(SAMPLE_INDEX))
     names.append(SAMPLE_INDEX)
     for name in batch.column_names:
-        if name not in (ID, PROMPT, SAMPLE_INDEX, ROW_ERROR):
+        if name not in (ID, PROMPT, SAMPLE_INDEX, *INTERNAL):
             arrays.append(batch.column(name))
             names.append(name)
     return pa.Table.from_arrays(arrays, names=names)

@@ -108,7 +108,7 @@ class RecordingActor:
         errors: list[str | None] = []
         requests: list[Request] = []
         for row in batch.to_pylist():
-            ids, error = self.engine._prompt_ids(row.get(ROW_ERROR), row)
+            ids, error = self.engine.prompt_ids(row.get(ROW_ERROR), row)
             errors.append(error)
             if error is None:
                 key = request_key(row[ID], row[SAMPLE_INDEX])

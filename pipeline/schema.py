@@ -10,6 +10,7 @@ PROMPT = "prompt"
 MESSAGES = "messages"  # the conversation of a job with input.messages_column
 SAMPLE_INDEX = "sample_index"
 ROW_ERROR = "_row_error"  # internal: an error found before generation (null or duplicate id)
+PROMPT_IDS = "_prompt_ids"  # internal: the prompt's token ids, from the tokenize stage
 
 BUDGET_ITERATIONS = pa.list_(
     pa.struct(
@@ -30,6 +31,9 @@ GENERATED_FIELDS = (
     pa.field("nfe", pa.int64()),
     pa.field("steps", pa.int64()),
     pa.field("accepted_steps_per_forward", pa.float64()),
+    # this row's share of the target forwards it took part in (1/n of a forward over n
+    # requests): sum(nfe) / sum(forward_share) is the mean number of requests per forward
+    pa.field("forward_share", pa.float64()),
     pa.field("tree_nodes_verified", pa.int64()),
     pa.field("drafter_seconds", pa.float64()),
     pa.field("wall_seconds", pa.float64()),
