@@ -3,7 +3,8 @@
 The page (OUTPUT_DIR/report/index.html, beside its plots nfe_histogram.png,
 accepted_steps_per_forward.png and tokens_per_second.png) shows, from summary.json and a few
 columns of the part files:
-- the totals: rows, errors, tokens, NFE, the cost and USD per 1M tokens;
+- the totals: rows, errors, tokens, NFE, the mean number of requests in a target forward
+  (how full continuous batching kept the replicas' batches), the cost and USD per 1M tokens;
 - speculation against draft-free decoding: draft-free decoding takes one target forward per
   decoding step, so its NFE is the steps taken; forwards saved = steps - NFE, and draft-free
   cost is the cost scaled by steps / NFE (its forwards are narrower than verification
@@ -93,6 +94,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             " / ".join(number(totals.get(k), 1) for k in ("nfe_mean", "nfe_p50", "nfe_p95")),
         ),
         ("tokens per NFE", number(totals.get("generated_tokens_per_nfe"), 3)),
+        ("requests per forward (mean)", number(totals.get("requests_per_forward"), 2)),
     ]
     if saving is not None:
         rows += [

@@ -92,8 +92,10 @@ COUNTED = [
     "nfe",
     "steps",
     "accepted_steps_per_forward",
+    "forward_share",
 ]
-"""The output columns the totals read: never the prompts, completions or token ids."""
+"""The output columns the totals read: never the prompts, completions or token ids (a part
+written before a column existed reads without it)."""
 
 
 @dataclass
@@ -108,6 +110,8 @@ class Totals:
     prompt_tokens: int = 0
     steps: int = 0
     accepted_sum: float = 0.0
+    forwards: float = 0.0  # sum of forward_share: the target forwards the rows took part in
+    shared_nfe: int = 0  # NFE of the rows that have a forward_share
     nfe: Counter[int] = field(default_factory=Counter)
     finish_reasons: Counter[str] = field(default_factory=Counter)
     error_kinds: Counter[str] = field(default_factory=Counter)
@@ -123,6 +127,10 @@ class Totals:
         self.prompt_tokens += _sum(generated.column("num_prompt_tokens"))
         self.steps += _sum(generated.column("steps"))
         self.accepted_sum += _sum(generated.column("accepted_steps_per_forward"))
+        if "forward_share" in generated.column_names:
+            shared = generated.filter(pc.is_valid(generated.column("forward_share")))
+            self.forwards += _sum(shared.column("forward_share"))
+            self.shared_nfe += _sum(shared.column("nfe"))
         self.nfe.update(_value_counts(pc.drop_null(generated.column("nfe"))))
         self.finish_reasons.update(_value_counts(batch.column("finish_reason")))
         kinds = pc.utf8_slice_codeunits(pc.drop_null(errors), 0, 40)
@@ -154,6 +162,8 @@ class Totals:
                     "generated_tokens_per_nfe": self.generated_tokens / nfe_total,
                 }
             )
+        if self.forwards:  # mean requests in a target forward
+            out["requests_per_forward"] = self.shared_nfe / self.forwards
         return out
 
 

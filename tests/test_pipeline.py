@@ -197,6 +197,10 @@ def test_output_rows_columns_and_errors(sampled_one_replica):
     assert totals["steps_per_nfe"] == pytest.approx(
         sum(r["steps"] for r in good) / sum(r["nfe"] for r in good)
     )
+    assert 1 < totals["requests_per_forward"] <= 8  # batches of 8, kept full as rows finish
+    assert totals["requests_per_forward"] == pytest.approx(
+        sum(r["nfe"] for r in good) / sum(r["forward_share"] for r in good)
+    )
     assert summary["replica_hours"] == pytest.approx(summary["wall_seconds"] / 3600)
     assert summary["cost_usd"] == pytest.approx(summary["replica_hours"] * 3.6)
     assert summary["usd_per_million_tokens"] == pytest.approx(
@@ -356,6 +360,7 @@ def test_totals_stream_batch_by_batch_with_exact_percentiles():
     nfe = rng.integers(1, 90, n)
     steps = nfe * rng.integers(1, 4, n)
     tokens = rng.integers(0, 64, n)
+    shares = nfe / rng.integers(1, 9, n)  # forwards of 1 to 8 requests
     table = pa.table(
         {
             "error": [None if good else f"generation failed: {i % 3}" for i, good in enumerate(ok)],
@@ -365,10 +370,14 @@ def test_totals_stream_batch_by_batch_with_exact_percentiles():
             "nfe": pa.array(nfe, mask=~ok),
             "steps": pa.array(steps, mask=~ok),
             "accepted_steps_per_forward": pa.array(steps / nfe, mask=~ok),
+            "forward_share": pa.array(shares, mask=~ok),
         }
     )
     streamed = Totals()
-    for batch in table.to_batches(max_chunksize=97):
+    old = 200  # the first rows come from parts written before forward_share existed
+    for batch in table.slice(0, old).drop_columns(["forward_share"]).to_batches(97):
+        streamed.add(batch)
+    for batch in table.slice(old).to_batches(max_chunksize=97):
         streamed.add(batch)
     got = streamed.as_dict()
     assert got["rows"] == n and got["errors"] == n - ok.sum()
@@ -388,6 +397,8 @@ def test_totals_stream_batch_by_batch_with_exact_percentiles():
     assert got["steps_per_nfe"] == pytest.approx(steps[ok].sum() / nfe[ok].sum())
     assert got["accepted_steps_per_forward_mean"] == pytest.approx((steps / nfe)[ok].mean())
     assert got["generated_tokens_per_nfe"] == pytest.approx(tokens[ok].sum() / nfe[ok].sum())
+    shared = ok & (np.arange(n) >= old)
+    assert got["requests_per_forward"] == pytest.approx(nfe[shared].sum() / shares[shared].sum())
     for values in (nfe, np.array([7]), np.array([3, 3, 3, 9]), rng.integers(0, 5, 17)):
         for q in (0, 1, 5, 25, 50, 62.5, 95, 99.9, 100):
             assert histogram_percentile(Counter(values.tolist()), q) == np.percentile(values, q)

@@ -37,6 +37,7 @@ def _rows(start: int, budgets: list[dict] | None) -> pa.Table:
         nfe=[20 if good else None for good in ok],
         steps=[40 if good else None for good in ok],
         accepted_steps_per_forward=[2.0 if good else None for good in ok],
+        forward_share=[5.0 if good else None for good in ok],  # in forwards of 4 requests
         finish_reason=["eos" if good else "error" for good in ok],
         error=[None] * GENERATED + ERRORS,
     )
@@ -93,6 +94,7 @@ def test_report_shows_what_speculation_saved_and_what_went_wrong(output: Path):
     # 12 generated rows: 480 steps (draft-free forwards) in 240 forwards
     assert "steps per forward                         2.000" in text
     assert "240 / 480 (240 saved, 50.0%)" in text
+    assert "requests per forward (mean)               4.00" in text
     # 72 s of one replica at $3.6/h = $0.072 for 192 tokens; draft-free: twice the forwards
     assert "USD / 1M tokens                           375.0000" in text
     assert "USD / 1M tokens draft-free (at most)      750.0000" in text
