@@ -6,23 +6,50 @@ No click here: `bench/` imports this module, never a command module.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from pipeline.tokenizer import load_tokenizer
-from spot.builtin import resolve_builtin
+from spot.builtin import resolve_builtin, resolve_reference
 from spot.decode import Request
 from spot.models.loading import DTYPES, load_target
 from spot.noise import request_key
 
 
-def load_model_and_tokenizer(path: str, dtype: str = "float32"):
-    """The tokenizer and target of a checkpoint directory or `builtin:<name>`."""
-    local = resolve_builtin(path) if path.startswith("builtin:") else Path(path)
+def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "cpu"):
+    """The tokenizer and target of a checkpoint directory or `builtin:<name>`, the target on
+    `device` ("auto": the GPU when there is one)."""
+    local = resolve_reference(path)
     tokenizer = load_tokenizer(local)
-    return tokenizer, load_target(local, dtype=DTYPES[dtype])
+    return tokenizer, load_target(local, dtype=DTYPES[dtype], device=resolve_device(device))
+
+
+def resolve_device(device: str) -> str:
+    """`auto` is the first CUDA device when torch sees one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def file_prompts(path: str | Path, count: int, skip: int = 0) -> list[dict]:
+    """Rows `skip` .. `skip + count` of a JSON Lines file of `{"id", "prompt"}` objects: a
+    user's own prompts to evaluate or calibrate a drafter on. Too few rows is an error, so a
+    curve is never measured on fewer prompts than asked for without saying so."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: expected an object with a string 'prompt'")
+            rows.append({**row, "id": str(row.get("id", f"{Path(path).name}:{number}"))})
+    if len(rows) < skip + count:
+        raise ValueError(f"{path} holds {len(rows)} prompts; {skip + count} are needed")
+    return rows[skip : skip + count]
 
 
 def corpus_prompts(split: str, count: int, seed: int = 0) -> list[dict]:

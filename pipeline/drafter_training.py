@@ -21,7 +21,7 @@ from click.core import ParameterSource
 from tqdm import tqdm
 
 from pipeline.cli import _load_or_exit, _plan_or_exit, _set_option
-from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
+from pipeline.drafter_data import corpus_prompts, encode, file_prompts, load_model_and_tokenizer
 from spot.config import DecodingConfig
 from spot.drafters.files import save_order_model
 from spot.drafters.recipes import (
@@ -169,6 +169,31 @@ def _load_trajectories(path: str) -> Trajectories:
         raise click.BadParameter(str(error), param_hint="--trajectories") from error
 
 
+_device_option = click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="where the target runs: auto (the GPU when there is one), cpu, cuda, cuda:1, ...",
+)
+_prompts_file_option = click.option(
+    "--prompts-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSON Lines of {id, prompt} to measure on instead of the bundled corpus: prompts like "
+    "the job's, which the recording did not use",
+)
+
+
+def _measure_prompts(prompts_file, count, skip, bundled):
+    """`count` prompts from --prompts-file (after `skip`), else `bundled()`."""
+    if prompts_file is None:
+        return bundled()
+    try:
+        return file_prompts(prompts_file, count, skip)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--prompts-file") from error
+
+
 _trajectories_option = click.option(
     "--trajectories",
     required=True,
@@ -186,6 +211,8 @@ _trajectories_option = click.option(
 @click.option("--heldout", default=0.1, show_default=True, help="fraction of blocks held out")
 @click.option("--budget", default=16, show_default=True, help="tree budget of the curve run")
 @click.option("--eval-prompts", default=40, show_default=True, help="held-out prompts")
+@_prompts_file_option
+@_device_option
 @click.option(
     "--adapt-from",
     type=click.Path(exists=True, dir_okay=False),
@@ -210,6 +237,8 @@ def train_command(
     heldout,
     budget,
     eval_prompts,
+    prompts_file,
+    device,
     adapt_from,
     objective,
 ):
@@ -220,7 +249,10 @@ def train_command(
         raise click.UsageError("--objective chooses how SPOT's order model learns (--kind spot)")
     traj = _load_trajectories(trajectories)
     meta = traj.meta
-    tokenizer, target = load_model_and_tokenizer(model_path)
+    evaluation = _measure_prompts(
+        prompts_file, eval_prompts, 0, lambda: corpus_prompts("heldout", eval_prompts)
+    )
+    tokenizer, target = load_model_and_tokenizer(model_path, device=device)
     bar = tqdm(desc=f"training {kind}", unit="step")
 
     def progress(step, total, loss):
@@ -246,7 +278,7 @@ def train_command(
         drafter = SpotSetsDrafter(model, target.embed, budget)
     bar.close()
     config = recorded_decoding(meta)
-    requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
+    requests = encode(tokenizer, evaluation)
     curve = measure_acceptance(target, drafter, requests, config, batch_size=8)
     header = {
         "trained_on": trained_on(meta, model_path),
@@ -293,20 +325,31 @@ def _positive_numbers(ctx, param, text: str) -> list[float]:
 @click.option("--prompts", default=24, show_default=True, help="validation prompts")
 @click.option("--budget", default=16, show_default=True, help="tree budget to calibrate at")
 @click.option("--eval-prompts", default=40, show_default=True, help="held-out prompts")
-def calibrate_spot_command(path, model_path, prior_scales, prompts, budget, eval_prompts):
+@_prompts_file_option
+@_device_option
+def calibrate_spot_command(
+    path, model_path, prior_scales, prompts, budget, eval_prompts, prompts_file, device
+):
     """Choose a trained SPOT checkpoint's tree sharpness by measured acceptance.
 
     Training fits the order model's probabilities to the next commit; the tree grows deeper
     chains from sharper ones. This runs the drafter at `budget` on validation prompts (a
     corpus train stream the trajectories did not use) for the trained prior scale and each
     candidate, keeps the one with the most steps per forward, and rewrites the checkpoint
-    with it and its acceptance curve on held-out prompts."""
+    with it and its acceptance curve on held-out prompts. With --prompts-file, the first
+    `--prompts` rows validate and the next `--eval-prompts` measure the curve."""
     model, header = load_order_model(path, "spot")
-    tokenizer, target = load_model_and_tokenizer(model_path)
     config = recorded_decoding(header["trained_on"])
     # the trajectories took the corpus stream of their decoding seed; validate on the next one
     stream = int(header["trained_on"]["seed"]) + 1
-    validation = encode(tokenizer, corpus_prompts("train", prompts, stream))
+    validation_rows = _measure_prompts(
+        prompts_file, prompts, 0, lambda: corpus_prompts("train", prompts, stream)
+    )
+    evaluation = _measure_prompts(
+        prompts_file, eval_prompts, prompts, lambda: corpus_prompts("heldout", eval_prompts)
+    )
+    tokenizer, target = load_model_and_tokenizer(model_path, device=device)
+    validation = encode(tokenizer, validation_rows)
     earlier = header["metrics"].get("tree_calibration", {})  # calibrating again starts over
     choice = choose_prior_scale(
         model,
@@ -320,11 +363,12 @@ def calibrate_spot_command(path, model_path, prior_scales, prompts, budget, eval
             f"prior scale {scale:.3g}: {steps:.3f} steps per forward"
         ),
     )
-    requests = encode(tokenizer, corpus_prompts("heldout", eval_prompts))
+    requests = encode(tokenizer, evaluation)
     curve = measure_acceptance(target, SpotDrafter(model, budget), requests, config, 8)
     header["metrics"]["tree_calibration"] = {
         "budget": budget,
         "validation_prompts": prompts,
+        "prompts_file": prompts_file,
         "trained_prior_scale": choice.trained,
         "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in choice.measured.items()},
         "chosen_prior_scale": choice.chosen,

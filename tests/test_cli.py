@@ -191,6 +191,35 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     assert curve.steps_per_forward[0] == 1.0 <= curve.steps_per_forward[1]
 
 
+def test_calibrate_spot_measures_on_the_users_prompts(tmp_path: Path):
+    """--prompts-file: the first --prompts rows validate, the next --eval-prompts measure
+    the curve; a file with too few rows is refused, naming the option."""
+    from spot.builtin import builtin_drafter
+    from spot.drafters.files import read_header
+
+    prompts = tmp_path / "mine.jsonl"
+    rows = [
+        {"id": i, "prompt": f"Tom has {i} apples and buys {i + 2} more. How many?"}
+        for i in range(6)
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spot_file = tmp_path / "spot.safetensors"
+    spot_file.write_bytes(builtin_drafter("sdar-nano", "spot", 16).read_bytes())
+    tune = ["calibrate-spot", "--drafter", str(spot_file), "--model", "builtin:sdar-nano"]
+    tune += ["--prompts-file", str(prompts), "--budget", "2", "--prior-scales", "4"]
+    runner = CliRunner()
+    result = runner.invoke(main, [*tune, "--prompts", "3", "--eval-prompts", "4"])
+    assert result.exit_code == 2 and "--prompts-file" in result.output
+    assert "holds 6 prompts; 7 are needed" in result.output
+    result = runner.invoke(
+        main, [*tune, "--prompts", "3", "--eval-prompts", "3", "--device", "cpu"]
+    )
+    assert result.exit_code == 0, result.output
+    calibration = read_header(spot_file)["metrics"]["tree_calibration"]
+    assert calibration["prompts_file"] == str(prompts)
+    assert len(calibration["steps_per_forward_by_prior_scale"]) == 2  # trained + 4
+
+
 def test_drafter_commands_default_to_the_shipped_recipe(tmp_path: Path):
     """Left to their defaults, record-trajectories and train-drafter make what the shipped
     SPOT drafters were made with: 64-token generations, the `order` objective."""
