@@ -140,10 +140,11 @@ def main() -> None:
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", help="where the target runs: cpu, cuda, auto")
     args = p.parse_args()
     torch.set_grad_enabled(False)
 
-    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}", args.dtype)
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}", args.dtype, args.device)
     requests = encode(tokenizer, corpus_prompts("heldout", args.prompts))
     config = DecodingConfig(
         gen_length=args.gen_length, block_length=args.block_length, temperature=args.temperature
@@ -165,7 +166,7 @@ def main() -> None:
             rows.append(Row("SPOT auto", batching, b, auto))
     take_turns(rows, target, requests, config)
     heading = (
-        f"### {args.target} ({args.dtype}) — block {config.block_length}, gen "
+        f"### {args.target} ({args.dtype}, {target.device}) — block {config.block_length}, gen "
         f"{config.gen_length}, T={config.temperature}, {len(requests)} held-out prompts, "
         f"{torch.get_num_threads()} thread(s)"
     )
