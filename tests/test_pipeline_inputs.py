@@ -106,12 +106,14 @@ def test_stop_strings_end_completions_before_the_first_one(root, plain):
     _submit(job)
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     uncut = {r["id"]: r for r in plain_rows}
-    stopped = 0
+    stopped, saved = 0, 0
     for row in _rows(root / "stopped"):
         before = uncut[row["id"]]
         if row["error"] is not None:
             assert row["error"] == before["error"]
             continue
+        assert row["nfe"] <= before["nfe"]  # decoding stops after the block with the stop
+        saved += before["nfe"] - row["nfe"]
         text, ids = before["completion"], before["completion_token_ids"]
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
         if cut is None:
@@ -124,7 +126,7 @@ def test_stop_strings_end_completions_before_the_first_one(root, plain):
         assert kept == ids[: len(kept)] and row["num_generated_tokens"] == len(kept)
         assert _text(tokenizer, kept).startswith(text[:cut])  # the ids cover the text
         assert not kept or len(_text(tokenizer, kept[:-1])) < cut  # and no token more
-    assert stopped >= 1
+    assert stopped >= 1 and saved > 0
 
 
 def test_messages_column_with_a_system_prompt(root):
