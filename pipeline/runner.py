@@ -1,5 +1,6 @@
-"""Run a job on Ray Data: read_parquet -> expand samples, skip done rows -> repartition ->
-map_batches(GenerationActor) -> atomic Parquet parts, then summary.json.
+"""Run a job on Ray Data: read_parquet -> expand samples, skip done rows -> tokenize (CPU) ->
+repartition -> map_batches(GenerationActor) -> detokenize (CPU) -> atomic Parquet parts,
+then summary.json.
 
 Embedded local Ray by default (started and stopped here, files in a temporary folder under
 /tmp); `ray_address` connects to an existing cluster instead (used inside a Ray Jobs
@@ -32,8 +33,13 @@ from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
 from pipeline.progress import ProgressPrinter, table_counts
 from pipeline.ray_auth import private_token
-from pipeline.schema import ID, SAMPLE_INDEX
-from pipeline.stages import AtomicParquetDatasink, expand_rows
+from pipeline.stages import (
+    AtomicParquetDatasink,
+    DetokenizeStage,
+    TokenizeStage,
+    expand_rows,
+    first_key,
+)
 from pipeline.summary import build_summary, output_totals
 from spot.builtin import is_builtin
 
@@ -43,11 +49,19 @@ Echo = Callable[[str], None]
 # replica gets work and a crash loses little, few enough that part files stay large.
 BLOCKS_PER_REPLICA = 4
 MAX_BATCHES_PER_BLOCK = 32
+# A replica decodes a block continuously, its batch refilled as requests finish, until the
+# block's last batch drains: at least this many batches per block keep that tail short.
+MIN_BATCHES_PER_BLOCK = 4
+# CPUs a tokenize or detokenize actor reserves (up to one of each per replica). Their work
+# is light; a fractional reservation beside the replicas could leave no node the whole CPU
+# a read or write task needs, and the job would hang without an error.
+TEXT_STAGE_CPUS = 0
 
 
 class GenerationActor:
-    """One replica: builds the engine once, then maps batches of rows to output rows.
-    (torch is imported here, in the replica: the driver never loads it.)"""
+    """One replica: builds the engine once, then maps blocks of tokenized rows to output
+    rows holding token ids (`Engine.generate_rows`). (torch is imported here, in the
+    replica: the driver never loads it.)"""
 
     def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
         import torch
@@ -63,9 +77,8 @@ class GenerationActor:
             self.engine.on_batch = self._batch_done
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        first = row_keys(batch.column(ID).slice(0, 1), batch.column(SAMPLE_INDEX).slice(0, 1))
-        self.block, self.counts = (first[0].as_py() if len(first) else ""), (0, 0, 0, 0)
-        out = self.engine.process(batch)
+        self.block, self.counts = first_key(batch), (0, 0, 0, 0)
+        out = self.engine.generate_rows(batch)
         if self.progress is not None:  # the block's rows as written replace its batches'
             self.progress.report.remote(self.block, table_counts(out))
         return out
@@ -93,9 +106,13 @@ def count_pending(plan: InputPlan, samples: int, done: pa.Array, slice_rows: int
 
 
 def rows_per_block(pending_rows: int, job: Job) -> int:
-    batch = job.resources.batch_size
-    wanted = math.ceil(pending_rows / (job.resources.replicas * BLOCKS_PER_REPLICA))
-    return min(max(wanted, batch), batch * MAX_BATCHES_PER_BLOCK)
+    """Rows per block (and per replica call): BLOCKS_PER_REPLICA blocks per replica, but
+    no fewer than MIN_BATCHES_PER_BLOCK batches unless that is more than a replica's share,
+    nor more than MAX_BATCHES_PER_BLOCK batches."""
+    batch, replicas = job.resources.batch_size, job.resources.replicas
+    wanted = math.ceil(pending_rows / (replicas * BLOCKS_PER_REPLICA))
+    least = max(batch, min(batch * MIN_BATCHES_PER_BLOCK, math.ceil(pending_rows / replicas)))
+    return min(max(wanted, least), batch * MAX_BATCHES_PER_BLOCK)
 
 
 @contextmanager
@@ -194,8 +211,22 @@ def _execute(
     to `counter` (pipeline.progress), so Ray Data's own progress output is turned off."""
     DataContext.get_current().enable_progress_bars = False
     actor_kwargs = {"job": job, "progress": counter}
-    dataset = replica_rows(job, plan, done, pending, actor_class, actor_kwargs)
+    dataset = replica_rows(job, plan, done, pending, actor_class, actor_kwargs, tokenize=True)
+    dataset = dataset.map_batches(
+        DetokenizeStage,
+        batch_format="pyarrow",
+        batch_size=None,  # a replica's output block at a time
+        fn_constructor_kwargs={"job": job, "progress": counter},
+        **_text_stage(job),
+    )
     dataset.write_datasink(AtomicParquetDatasink(output))
+
+
+def _text_stage(job: Job) -> dict[str, Any]:
+    """Resources of a tokenize or detokenize stage: a pool of CPU actors reserving
+    TEXT_STAGE_CPUS each, one to as many as there are replicas."""
+    pool = ActorPoolStrategy(min_size=1, max_size=job.resources.replicas)
+    return {"compute": pool, "num_cpus": TEXT_STAGE_CPUS}
 
 
 def replica_rows(
@@ -205,10 +236,14 @@ def replica_rows(
     pending: int,
     actor_class: type,
     actor_kwargs: dict[str, Any],
+    *,
+    tokenize: bool = False,
 ) -> ray.data.Dataset:
     """The job's (row, sample) pairs not in `done` (read, expanded, cut into blocks sized for
     its replicas), mapped a block per call by `resources.replicas` actors of
-    `actor_class(**actor_kwargs)`: what generation writes as parts, recording as shards."""
+    `actor_class(**actor_kwargs)`: what generation writes as parts, recording as shards.
+    `tokenize`: a CPU stage first gives each row its prompt ids (`TokenizeStage`), so the
+    actors receive token ids."""
     context = DataContext.get_current()
     context.print_on_execution_start = False
     if plan.limited is not None:
@@ -232,11 +267,20 @@ def replica_rows(
             "shared": shared,
         },
     )
-    dataset = dataset.repartition(target_num_rows_per_block=rows_per_block(pending, job))
+    block = rows_per_block(pending, job)
+    if tokenize:
+        dataset = dataset.map_batches(
+            TokenizeStage,
+            batch_format="pyarrow",
+            batch_size=block,
+            fn_constructor_kwargs={"job": job},
+            **_text_stage(job),
+        )
+    dataset = dataset.repartition(target_num_rows_per_block=block)
     dataset = dataset.map_batches(
         actor_class,
         batch_format="pyarrow",
-        batch_size=job.resources.batch_size,
+        batch_size=block,  # a block per call: the engine batches its rows itself
         compute=ActorPoolStrategy(size=job.resources.replicas),
         fn_constructor_kwargs=actor_kwargs,
         num_cpus=job.resources.num_cpus,

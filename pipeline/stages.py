@@ -1,6 +1,8 @@
-"""The light Ray Data stages around the model: expanding input rows into samples (skipping
-what is already written) and writing part files. They import no torch, so the read and
-write workers start fast."""
+"""The Ray Data stages around the model: expanding input rows into samples (skipping what is
+already written), tokenizing them and detokenizing the completions on CPUs (as Ray Data LLM
+runs its tokenize and detokenize stages), and writing part files. Importing this module
+imports no torch, so the read and write workers start fast; the text stages load their
+tokenizer in their own actors."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
 from pipeline.inputs import id_keys
+from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys, write_part
 from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
 
@@ -70,3 +73,54 @@ def expand_rows(
         return expanded
     written = pc.is_in(row_keys(expanded.column(ID), expanded.column(SAMPLE_INDEX)), value_set=done)
     return expanded.filter(pc.invert(written))
+
+
+def first_key(batch: pa.Table) -> str:
+    """The row key (`id<US>sample_index`) of the batch's first row: a name for the batch
+    that a retry of it repeats ("" for no rows)."""
+    keys = row_keys(batch.column(ID).slice(0, 1), batch.column(SAMPLE_INDEX).slice(0, 1))
+    return keys[0].as_py() if len(keys) else ""
+
+
+class TokenizeStage:
+    """Before the model: each row's prompt ids through the chat template, or its error
+    (`pipeline.engine.tokenize_rows`); the tokenizer is loaded once per actor."""
+
+    def __init__(self, job: Job):
+        from pipeline.engine import load_tokenizer
+
+        self.job = job
+        self.tokenizer = load_tokenizer(job)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from pipeline.engine import tokenize_rows
+
+        return tokenize_rows(self.tokenizer, self.job.input, batch)
+
+
+class DetokenizeStage:
+    """After the model: the completions' text, cut at the first stop string
+    (`pipeline.engine.detokenize_rows`). The replicas report their rows' tokens before the
+    cut to the progress counter; the tokens a cut removes are reported here (under the
+    batch's own name), so the totals end as the rows are written."""
+
+    def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
+        from pipeline.engine import load_tokenizer
+
+        self.job = job
+        self.tokenizer = load_tokenizer(job)
+        self.progress = progress  # a pipeline.progress.ProgressCounter
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from pipeline.engine import detokenize_rows
+
+        out = detokenize_rows(self.tokenizer, self.job.decoding.stop, batch)
+        if self.progress is not None and self.job.decoding.stop:
+            cut = _total(batch, "num_generated_tokens") - _total(out, "num_generated_tokens")
+            if cut:
+                self.progress.report.remote(f"stop strings {first_key(batch)}", (0, 0, -cut, 0))
+        return out
+
+
+def _total(table: pa.Table, column: str) -> int:
+    return pc.sum(table.column(column)).as_py() or 0

@@ -33,7 +33,7 @@ from tests.ray_cluster import ROOT, LocalCluster, two_nodes
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
-ROWS = 48  # 8 blocks of 6 rows: a replica is busy with one whenever the kill comes
+ROWS = 48  # 6 blocks of 8 rows: a replica is busy with one whenever the kill comes
 DECODING = {"gen_length": 32, "block_length": 4, "temperature": 0.7, "seed": 2}
 # fractional CPUs: after the worker is lost, both replicas and the read/write tasks fit the head
 RESOURCES = {"replicas": 2, "batch_size": 2, "num_cpus": 0.5}

@@ -58,15 +58,15 @@ class DiesOnceActor(GenerationActor):
 
 
 class InterruptedActor(GenerationActor):
-    """Fails the job (an exception Ray does not retry) on its third batch, once the first
-    block (two batches: blocks hold at most 16 rows here) is on disk: the job dies half
-    written, whatever order the replica takes its blocks in."""
+    """Fails the job (an exception Ray does not retry) on its second call, once the first
+    block (a call's rows: 32 of the 42 here) is on disk: the job dies half written, whatever
+    order the replica takes its blocks in."""
 
     calls = 0
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.calls += 1
-        if self.calls == 3:
+        if self.calls == 2:
             output = OutputDir(self.engine.job.output.path)
             deadline = time.monotonic() + 120
             while not output.part_files() and time.monotonic() < deadline:
