@@ -130,6 +130,10 @@ def ray_session(job: Job, address: str | None) -> Iterator[None]:
         finally:
             ray.shutdown()
         return
+    # Ray starts its workers at niceness 15, so its daemons stay responsive; here the
+    # replicas are the job, and at 15 they yield the CPU to every other process on the
+    # machine, the driver included.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     temp_dir = tempfile.mkdtemp(prefix="spot-ray-")
     replica_cpus = math.ceil(job.resources.replicas * job.resources.num_cpus)
     with private_token():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -419,3 +421,30 @@ def test_pending_count_is_exact_whatever_the_slice():
     for slice_rows in (1, 7, 64, 1 << 18):
         assert count_pending(plan, 3, done, slice_rows=slice_rows) == expected
     assert count_pending(plan, 2, pa.array([], pa.string())) == 2 * len(ids)
+
+
+_REPLICA_NICENESS = """
+import os, sys, ray
+from pipeline.job import parse_job
+from pipeline.runner import ray_session
+job = parse_job(
+    {"name": "n", "input": {"path": "x"}, "model": {"path": "m"}, "output": {"path": "o"}}
+)
+with ray_session(job, None):
+    print(ray.get(ray.remote(lambda: os.nice(0)).remote()))
+"""
+
+
+def test_the_embedded_ray_runs_replicas_at_normal_priority():
+    """Ray starts its workers at niceness 15; the embedded session's replicas must not yield
+    the CPU to every other process on the machine."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLICA_NICENESS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0"
