@@ -4,18 +4,27 @@ input on this machine with one replica's engine."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.estimate import (
+    PIPELINE,
+    PipelineOverhead,
     ReplicaRates,
+    block_rows,
     cluster_rows,
     cluster_sizes,
     corpus_projection,
+    estimate_json,
     estimate_report,
+    format_duration,
     measure,
+    plan_estimate,
     project,
     sample_rows,
 )
@@ -40,6 +49,24 @@ def test_projection_arithmetic():
         project(rates, 1.0, 0, 1.0)
     assert cluster_sizes(2) == [2, 4, 8, 16, 32]
     assert cluster_sizes(2, most_useful=9) == [2, 4, 8]  # no more replicas than batches
+    # inside the pipeline: its own start, and a replica at 0.8 of the engine's rate
+    slower = project(rates, 3.6e6, 10, 5.0, PipelineOverhead(start_seconds=36.0, rate_share=0.8))
+    assert slower.wall_seconds == pytest.approx(36.0 + 360.0 + 3600 / 0.8)
+    assert slower.replica_hours == pytest.approx(10 * slower.wall_seconds / 3600)
+
+
+def test_durations_read_as_a_person_reads_them():
+    assert format_duration(0.04) == "0.0 s"
+    assert format_duration(4.24) == "4.2 s"
+    assert format_duration(9.96) == "10 s"
+    assert format_duration(54.4) == "54 s"
+    assert format_duration(59.6) == "1 min"
+    assert format_duration(200) == "3 min 20 s"
+    assert format_duration(3599.7) == "1 h"
+    assert format_duration(3 * 3600 + 20 * 60 + 10) == "3 h 20 min"
+    assert format_duration(0.015 * 3600) == "54 s"
+    assert format_duration(2 * 86400 + 5 * 3600 + 1000) == "2 d 5 h"
+    assert format_duration(86400 - 10) == "1 d"
 
 
 def test_job_prices_per_gpu_or_per_replica():
@@ -74,8 +101,8 @@ def test_report_rates_and_corpus_projection_from_a_summary():
     text = corpus_projection(summary, 14400)
     lines = text.splitlines()
     first = lines[2].split()  # 4 GPUs = 2 replicas: 14400 / (2 tok/s x 2) = 1 h
-    assert first[:3] == ["4", "2", "1.000"]
-    assert first[3:6] == ["2.000", "4.000", "8.00"]  # replica-h, GPU-h, at $2 per GPU-hour
+    assert first[:4] == ["4", "2", "1", "h"]
+    assert first[4:7] == ["2.000", "4.000", "8.00"]  # replica-h, GPU-h, at $2 per GPU-hour
     assert len(lines) == 8  # title, header, 5 cluster sizes, assumptions
     cpu = _summary(tokens=10, rows=1, wall=10.0, replicas=1, gpus=0)
     assert dict(cluster_rows(cpu))["tokens / s per GPU"] == "-"
@@ -116,23 +143,50 @@ def test_estimate_measures_one_replica_on_a_sample(job_file):
     assert measurement.sample_rows == 6 and measurement.errors == 0
     assert rates.tokens_per_second > 0 and rates.startup_seconds > 0
     assert measurement.nfe_per_row >= 1
-    report = estimate_report(job, measurement, input_rows)
+    estimate = plan_estimate(job, measurement, input_rows)
+    report = estimate_report(estimate)
     assert f"{INPUT_ROWS} rows x 2 samples = {2 * INPUT_ROWS} rows" in report
-    table = [line.split() for line in report.splitlines() if line[:6].strip().isdigit()]
-    assert {line[0] for line in table} == {"0"}  # a CPU job: no GPUs
-    assert [int(line[1]) for line in table] == [2, 4, 8]  # 15 batches of work: 16 would idle
+    table = [line for line in report.splitlines() if line[:6].strip().isdigit()]
+    assert {line.split()[0] for line in table} == {"0"}  # a CPU job: no GPUs
+    assert [int(line.split()[1]) for line in table] == [2, 4, 8]  # 15 batches: 16 would idle
     tokens = 2 * INPUT_ROWS * rates.tokens_per_row
-    expected = project(rates, tokens, 2, 3.0)
-    assert float(table[0][2]) == pytest.approx(expected.wall_hours, abs=1e-3)
-    assert float(table[0][5]) == pytest.approx(expected.cost_usd, abs=0.01)
+    expected = project(rates, tokens, 2, 3.0, PIPELINE)  # the pipeline's overhead included
+    assert estimate.projections[0] == expected
+    assert table[0][18:30].strip() == format_duration(expected.wall_seconds)
+    assert f"about {estimate_json(estimate)['configured']['wall']}" in report
+    assert float(table[0].split()[-2]) == pytest.approx(expected.cost_usd, abs=0.01)
 
 
 def test_estimate_command(job_file):
     result = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "2"])
     assert result.exit_code == 0, result.output
     assert "whole input: 30 rows" in result.output and "assumptions:" in result.output
+    assert " h " not in result.output.split("configured:")[1].splitlines()[0]  # seconds here
     bad = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "0"])
     assert bad.exit_code != 0 and "--sample" in bad.output
+
+
+def test_estimate_command_prints_the_same_projection_as_json(job_file):
+    args = ["estimate", str(job_file), "--sample", "2", "--set", "resources.replicas=1"]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # nothing but the JSON on stdout
+    assert data["input_rows"] == INPUT_ROWS and data["output_rows"] == 2 * INPUT_ROWS
+    assert data["sample"]["rows"] == 4 and data["pipeline"]["rate_share"] == PIPELINE.rate_share
+    counts = [entry["replicas"] for entry in data["projections"]]
+    assert counts == [1, 2, 4, 8]  # 15 batches of work: 16 replicas would idle
+    configured = data["configured"]
+    assert configured == data["projections"][0] and configured["replicas"] == 1
+    rates = data["rates"]
+    rate = rates["tokens_per_second_per_replica"] * PIPELINE.rate_share
+    assert configured["wall_seconds"] == pytest.approx(
+        PIPELINE.start_seconds + rates["replica_startup_seconds"] + data["generated_tokens"] / rate
+    )
+    for entry in data["projections"]:
+        assert entry["wall"] == format_duration(entry["wall_seconds"])
+        assert entry["cost_usd"] == pytest.approx(entry["replica_hours"] * 3.0)
+    text = CliRunner().invoke(main, args).output.split("configured:")[1].splitlines()[0]
+    assert re.fullmatch(r" 1 replica\(s\), the first line: about (\d+ s|\d+ min( \d+ s)?)", text)
 
 
 def test_estimate_of_a_gpu_job_runs_on_cpu_here_and_prices_its_gpus(job_file):
@@ -142,9 +196,21 @@ def test_estimate_of_a_gpu_job_runs_on_cpu_here_and_prices_its_gpus(job_file):
     rows, input_rows = sample_rows(job, 2)
     measurement = measure(job, rows)
     assert measurement.errors == 0 and measurement.rates.gpus_per_replica == 1
-    report = estimate_report(job, measurement, input_rows)
+    report = estimate_report(plan_estimate(job, measurement, input_rows))
     assert "measured on this machine (CPU)" in report and "no GPU here" in report
     table = [line.split() for line in report.splitlines() if line[:6].strip().isdigit()]
     first = table[0]
     assert first[:2] == ["2", "2"]  # 2 replicas of 1 GPU
-    assert float(first[5]) == pytest.approx(float(first[4]) * 2, abs=0.02)  # GPU-h x $2
+    assert float(first[-2]) == pytest.approx(float(first[-3]) * 2, abs=0.02)  # GPU-h x $2
+
+
+def test_estimate_samples_one_block_of_the_job_by_default(job_file):
+    """Without --sample, the sample is the rows a replica takes per call for the whole job
+    (a smaller one decodes with its batch less full than the job will)."""
+    job = load_job(job_file)
+    block = block_rows(job, INPUT_ROWS)
+    assert 4 <= block < 2 * INPUT_ROWS  # a block of batches, less than the whole input
+    result = CliRunner().invoke(main, ["estimate", str(job_file), "--json"])
+    assert result.exit_code == 0, result.output
+    sampled = json.loads(result.stdout)["sample"]["rows"]
+    assert sampled == block // 2 * 2  # whole input rows of 2 samples each
