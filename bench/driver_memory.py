@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.output import OutputDir, write_part  # noqa: E402
-from pipeline.schema import GENERATED_FIELDS  # noqa: E402
+from pipeline.schema import BUDGET_ITERATIONS, GENERATED_FIELDS  # noqa: E402
 
 PROMPT_CHARS = 300
 COMPLETION_CHARS = 1000
@@ -136,6 +136,7 @@ def fabricated_rows(rng: np.random.Generator, pool: np.ndarray, ids: list[str]) 
         "nfe": pc_where(ok, pa.array(nfe)),
         "steps": pc_where(ok, pa.array(steps)),
         "accepted_steps_per_forward": pc_where(ok, pa.array(steps / nfe)),
+        "forward_share": pc_where(ok, pa.array(np.full(n, 1 / 8))),
         "tree_nodes_verified": pc_where(ok, pa.array(steps * 3)),
         "drafter_seconds": pc_where(ok, pa.array(rng.random(n) * 0.1)),
         "wall_seconds": pc_where(ok, pa.array(rng.random(n) * 2)),
@@ -144,6 +145,7 @@ def fabricated_rows(rng: np.random.Generator, pool: np.ndarray, ids: list[str]) 
         "model": pa.array(["builtin:sdar-nano"] * n),
         "drafter": pa.array(["none"] * n),
         "seed": pa.array(np.zeros(n, dtype=np.int64)),
+        "budget_iterations": pa.nulls(n, BUDGET_ITERATIONS),  # draft-free: no budget auto
     }
     arrays = [pa.array(ids), texts(rng, pool, n, PROMPT_CHARS)]
     arrays += [columns[f.name].cast(f.type) for f in GENERATED_FIELDS]
