@@ -46,14 +46,14 @@ class PipelineOverhead:
     rate_share: float  # share of the engine's rows per second a replica keeps in the pipeline
 
 
-PIPELINE = PipelineOverhead(start_seconds=11.0, rate_share=0.99)
+PIPELINE = PipelineOverhead(start_seconds=14.7, rate_share=0.976)
 """The pipeline measured against its engine on this project's reference machine (2 CPU
-cores, one replica, short generations: bench/pipeline_scale.py, figures in docs/scale.md)."""
+cores, one replica, 400 to 20,000 rows: bench/pipeline_scale.py, docs/benchmarks.md §9.2)."""
 NO_OVERHEAD = PipelineOverhead(start_seconds=0.0, rate_share=1.0)
 
 ASSUMPTIONS = (
     "each replica runs at the measured rate (same hardware as the measurement)",
-    f"inside the pipeline a replica keeps {PIPELINE.rate_share:.0%} of the engine's rate and "
+    f"inside the pipeline a replica keeps {PIPELINE.rate_share:.1%} of the engine's rate and "
     f"a run takes {PIPELINE.start_seconds:.0f} s to start and finish besides the model load "
     "(measured on 2 CPU cores with bench/pipeline_scale.py)",
     "replicas scale linearly (rows split into independent blocks)",

@@ -1,0 +1,110 @@
+"""`spot-pipeline estimate` against the run it projects: the projected wall time of a job,
+then the job itself, each a `spot-pipeline` command in a subprocess, on the same machine.
+
+    .venv/bin/python bench/estimate_accuracy.py
+    .venv/bin/python bench/estimate_accuracy.py --job jobs/synthetic.yaml --case 400=input.limit=400
+
+Each --case is NAME=KEY=VALUE[;KEY=VALUE] job overrides (`--set`). The default cases: the
+quick-start job (jobs/synthetic.yaml: sdar-tiny, SPOT auto, 64 tokens) on 400 bundled prompts
+and on 2,000 rows (the same 400 prompts x 5 samples), and the same row counts with the fast
+target of bench/pipeline_scale.py (sdar-nano, draft-free, 16 tokens), where the pipeline's
+fixed start is most of the run. The projection is the configured line of `estimate --json`
+(`configured.wall_seconds`); the measured wall time runs from launching `submit` to its
+exit, into a fresh output folder. Output folders are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SYNTHETIC = "jobs/synthetic.yaml"
+FAST = (
+    "model.path=builtin:sdar-nano;drafter.kind=none;decoding.gen_length=16;decoding.block_length=16"
+)
+DEFAULT_CASES = [
+    f"{SYNTHETIC}:400=input.limit=400",
+    f"{SYNTHETIC}:2000=input.limit=400;decoding.samples_per_prompt=5",
+    f"{SYNTHETIC}:fast-400=input.limit=400;{FAST}",
+    f"{SYNTHETIC}:fast-2000=input.limit=400;decoding.samples_per_prompt=5;{FAST}",
+]
+
+
+def spot_pipeline(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """One `spot-pipeline` command from this checkout; its result and wall seconds."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "pipeline.cli", *args]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+    return done, seconds
+
+
+def run_case(case: str, work: Path) -> dict:
+    """Estimate, then submit, the job a case names."""
+    job_file, rest = case.split(":", 1)
+    name, overrides = rest.split("=", 1)
+    output = work / name
+    sets = [item for item in overrides.split(";") if item] + [f"output.path={output}"]
+    flags = [flag for item in sets for flag in ("--set", item)]
+    estimated, estimate_seconds = spot_pipeline(["estimate", job_file, "--json", *flags])
+    projection = json.loads(estimated.stdout)
+    _, measured = spot_pipeline(["submit", job_file, *flags])
+    summary = json.loads((output / "summary.json").read_text())
+    projected = projection["configured"]["wall_seconds"]
+    result = {
+        "case": name,
+        "job": job_file,
+        "overrides": sets[:-1],
+        "rows": summary["totals"]["rows"],
+        "estimate_seconds": estimate_seconds,
+        "sample_rows": projection["sample"]["rows"],
+        "projected_seconds": projected,
+        "measured_seconds": measured,
+        "error": projected / measured - 1,
+    }
+    print(
+        f"{name}: {result['rows']} rows, projected {projected:.1f} s, measured {measured:.1f} s "
+        f"({result['error']:+.1%}; the estimate took {estimate_seconds:.1f} s)",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--case",
+        action="append",
+        help="JOB_FILE:NAME=KEY=VALUE[;KEY=VALUE] (repeatable; default: four cases, see above)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="estimate-accuracy-", dir="/tmp"))
+    try:
+        results = [run_case(case, work) for case in args.case or DEFAULT_CASES]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{'case':<10}  {'rows':>6}  {'projected':>10}  {'measured':>9}  {'error':>7}")
+    for r in results:
+        print(
+            f"{r['case']:<10}  {r['rows']:>6}  {r['projected_seconds']:>9.1f}s  "
+            f"{r['measured_seconds']:>8.1f}s  {r['error']:>+7.1%}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
