@@ -271,10 +271,13 @@ class Measurement:
 
 
 def block_rows(job: Job, input_rows: int) -> int:
-    """Rows a replica takes per call when the pipeline runs this job's whole input."""
-    from pipeline.runner import rows_per_block
+    """Rows a replica takes per call when the pipeline runs this job's whole input, at most
+    MAX_BATCHES_PER_BLOCK batches (a job so large that its blocks grow beyond that decodes
+    them at the same rate: the sample stays quick)."""
+    from pipeline.runner import MAX_BATCHES_PER_BLOCK, rows_per_block
 
-    return rows_per_block(input_rows * job.decoding.samples_per_prompt, job)
+    block = rows_per_block(input_rows * job.decoding.samples_per_prompt, job)
+    return min(block, job.resources.batch_size * MAX_BATCHES_PER_BLOCK)
 
 
 def sample_rows(job: Job, size: int | None, seed: int = 0) -> tuple[pa.Table, int]:

@@ -49,6 +49,10 @@ Echo = Callable[[str], None]
 # replica gets work and a crash loses little, few enough that part files stay large.
 BLOCKS_PER_REPLICA = 4
 MAX_BATCHES_PER_BLOCK = 32
+# ...but no more blocks than this in one run: Ray Data keeps statistics of every block each
+# operator outputs in the driver until the run ends (ray-project/ray#66016, ~40 KB per
+# block through this pipeline), so a 50M-row job in 256-row blocks would hold ~8 GiB.
+MAX_BLOCKS_PER_RUN = 10_000
 # A replica decodes a block continuously, its batch refilled as requests finish, until the
 # block's last batch drains: at least this many batches per block keep that tail short.
 MIN_BATCHES_PER_BLOCK = 4
@@ -108,11 +112,13 @@ def count_pending(plan: InputPlan, samples: int, done: pa.Array, slice_rows: int
 def rows_per_block(pending_rows: int, job: Job) -> int:
     """Rows per block (and per replica call): BLOCKS_PER_REPLICA blocks per replica, but
     no fewer than MIN_BATCHES_PER_BLOCK batches unless that is more than a replica's share,
-    nor more than MAX_BATCHES_PER_BLOCK batches."""
+    nor more than MAX_BATCHES_PER_BLOCK batches unless the run would then exceed
+    MAX_BLOCKS_PER_RUN blocks."""
     batch, replicas = job.resources.batch_size, job.resources.replicas
     wanted = math.ceil(pending_rows / (replicas * BLOCKS_PER_REPLICA))
     least = max(batch, min(batch * MIN_BATCHES_PER_BLOCK, math.ceil(pending_rows / replicas)))
-    return min(max(wanted, least), batch * MAX_BATCHES_PER_BLOCK)
+    block = min(max(wanted, least), batch * MAX_BATCHES_PER_BLOCK)
+    return max(block, math.ceil(pending_rows / MAX_BLOCKS_PER_RUN))
 
 
 @contextmanager

@@ -29,7 +29,13 @@ import pytest
 
 from pipeline.job import Job, parse_job
 from pipeline.output import OutputDir, row_keys, write_atomically, write_part
-from pipeline.runner import GenerationActor, count_pending, run_job
+from pipeline.runner import (
+    MAX_BLOCKS_PER_RUN,
+    GenerationActor,
+    count_pending,
+    rows_per_block,
+    run_job,
+)
 from pipeline.schema import GENERATED_FIELDS
 from pipeline.summary import Totals, histogram_percentile
 from tests.pipeline_fixtures import (
@@ -421,6 +427,26 @@ def test_pending_count_is_exact_whatever_the_slice():
     for slice_rows in (1, 7, 64, 1 << 18):
         assert count_pending(plan, 3, done, slice_rows=slice_rows) == expected
     assert count_pending(plan, 2, pa.array([], pa.string())) == 2 * len(ids)
+
+
+@pytest.mark.parametrize("batch,replicas", [(8, 1), (8, 4), (64, 16)])
+def test_blocks_feed_every_replica_and_stay_few(batch, replicas, tmp_path):
+    """A block is whole batches' worth for small runs, at most 32 batches for large ones, and
+    larger still only where a run would otherwise cut more than MAX_BLOCKS_PER_RUN blocks
+    (the driver holds statistics of every block until the run ends)."""
+    job = parse_job(
+        job_dict(tmp_path / "in.parquet", tmp_path / "model", tmp_path / "out")
+        | {"resources": {"replicas": replicas, "batch_size": batch, "num_cpus": 1}}
+    )
+    for pending in (1, batch, 3 * batch * replicas, 10**5, 10**6, 5 * 10**7, 10**9):
+        block = rows_per_block(pending, job)
+        blocks = -(-pending // block)
+        assert block >= min(batch, pending) and blocks <= MAX_BLOCKS_PER_RUN
+        if pending >= 4 * batch * replicas:  # enough for a few batches per replica
+            assert blocks >= min(replicas * 4, pending // (32 * batch))
+        if block > 32 * batch:  # grown past 32 batches only to respect the cap
+            assert -(-pending // (block - 1)) > MAX_BLOCKS_PER_RUN
+    assert rows_per_block(5 * 10**7, job) == max(32 * batch, 5000)
 
 
 _REPLICA_NICENESS = """
