@@ -68,6 +68,7 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
+@pytest.mark.e2e
 def test_a_client_without_the_token_is_refused_while_a_job_runs(tmp_path):
     address = _network_address()
     if address is None:

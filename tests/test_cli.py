@@ -422,6 +422,7 @@ def _tokens(out: Path) -> dict[str, list[int]]:
     return {r["id"]: r["completion_token_ids"] for r in rows}
 
 
+@pytest.mark.e2e
 def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_path: Path):
     """Rows made with one drafter and batch size, resumed with another: the corpus is what one
     run makes. A resubmit that changes what decides the tokens is refused before Ray starts,

@@ -232,7 +232,7 @@ def test_output_is_readable_by_pyarrow_pandas_and_datasets(sampled_one_replica, 
     assert loaded.num_rows == rows and "completion" in loaded.column_names
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.e2e), 0.8])
 def test_same_completions_whatever_replicas_and_batch_size(request, setup, temperature):
     if temperature == 0.8:
         one, _ = request.getfixturevalue("sampled_one_replica")
