@@ -461,6 +461,7 @@ with ray_session(job, None):
 """
 
 
+@pytest.mark.e2e
 def test_the_embedded_ray_runs_replicas_at_normal_priority():
     """Ray starts its workers at niceness 15; the embedded session's replicas must not yield
     the CPU to every other process on the machine."""
