@@ -23,7 +23,9 @@ from pipeline.ray_auth import AUTH_MODE, AUTH_TOKEN, private_token
 from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = 500  # the job outlasts both clients' attempts (about 45 s): 90 s here with 400
+# The job must outlast both clients' attempts (up to ~45 s): a 500-row job ran ~40 s on a
+# quiet 2-core machine and once ended first; 1,200 rows run ~100 s there.
+ROWS = 1200
 
 # A client joining a cluster and running code there; prints what happened. One connection
 # attempt (Ray retries 20 times by default, about 40 s each, when nothing answers).
