@@ -71,6 +71,7 @@ class DriverRun:
     peak_rss_bytes: int  # the driver process's own high-water mark
     seconds: float
     output: str  # stdout and stderr
+    stdout: str
 
 
 def run_driver(
@@ -94,7 +95,7 @@ def run_driver(
     output = done.stdout + done.stderr
     found = re.findall(r"driver peak RSS: (\d+) KiB", done.stderr)
     peak = int(found[-1]) * 1024 if found else 0
-    return DriverRun(done.returncode, peak, seconds, output)
+    return DriverRun(done.returncode, peak, seconds, output, done.stdout)
 
 
 def word_text(rng: np.random.Generator, size: int) -> np.ndarray:

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.driver_memory import DriverRun, run_driver  # noqa: E402
 
 SYNTHETIC = "jobs/synthetic.yaml"
 FAST = (
@@ -39,16 +39,12 @@ DEFAULT_CASES = [
 ]
 
 
-def spot_pipeline(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    """One `spot-pipeline` command from this checkout; its result and wall seconds."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "pipeline.cli", *args]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-    return done, seconds
+def spot_pipeline(args: list[str]) -> DriverRun:
+    """One `spot-pipeline` command from this checkout, in a subprocess; stops on failure."""
+    run = run_driver(args)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed ({run.returncode}):\n{run.output[-4000:]}")
+    return run
 
 
 def run_case(case: str, work: Path) -> dict:
@@ -58,9 +54,10 @@ def run_case(case: str, work: Path) -> dict:
     output = work / name
     sets = [item for item in overrides.split(";") if item] + [f"output.path={output}"]
     flags = [flag for item in sets for flag in ("--set", item)]
-    estimated, estimate_seconds = spot_pipeline(["estimate", job_file, "--json", *flags])
+    estimated = spot_pipeline(["estimate", job_file, "--json", *flags])
+    estimate_seconds = estimated.seconds
     projection = json.loads(estimated.stdout)
-    _, measured = spot_pipeline(["submit", job_file, *flags])
+    measured = spot_pipeline(["submit", job_file, *flags]).seconds
     summary = json.loads((output / "summary.json").read_text())
     projected = projection["configured"]["wall_seconds"]
     result = {

@@ -8,9 +8,10 @@ batches of 8. At each size, `spot-pipeline submit` runs in a subprocess into a f
 once per --variant (wall time from launch to exit: imports, Ray start, the replica's model
 load, generation, writes and the summary), reporting the driver's peak RSS (see
 bench/driver_memory.py). Just before and just after, the engine alone
-(`pipeline.engine.Engine` built in this process, torch threads as the replica's) generates
-the first --engine-rows of the same rows in blocks of the pipeline's size (its rate excludes
-its model load), so a slow spell of this shared machine falls on both.
+(`pipeline.estimate.measure`: the `Engine` built in this process, torch threads as the
+replica's) generates --engine-rows of the same rows (a seeded sample) in blocks of the
+pipeline's size (its rate excludes its model load), so a slow spell of this shared machine
+falls on both.
 
 Printed: rows/s of each, their ratio at each size, and the line `spot-pipeline estimate`
 projects with (`pipeline.estimate.PipelineOverhead`), fitted to the pipeline's wall times:
@@ -25,7 +26,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.driver_memory import run_driver  # noqa: E402
 from pipeline.job import parse_job  # noqa: E402
-from pipeline.schema import ROW_ERROR, SAMPLE_INDEX  # noqa: E402
 
 
 def job_dict(args: argparse.Namespace, input_path: Path, output_path: Path) -> dict:
@@ -68,42 +67,23 @@ def write_input(path: Path, rows: int) -> Path:
     return path
 
 
-def engine_rows(input_path: Path, limit: int | None) -> pa.Table:
-    """The first `limit` input rows as the pipeline's replicas receive them before tokenizing
-    (one sample each; the bench's ids are distinct and readable, so no row carries an error)."""
-    rows = pq.read_table(input_path).slice(0, limit)
-    rows = rows.append_column(ROW_ERROR, pa.nulls(rows.num_rows, pa.string()))
-    return rows.append_column(SAMPLE_INDEX, pa.array(np.zeros(rows.num_rows, dtype=np.int64)))
-
-
-def engine_alone(job_file: Path, input_path: Path, limit: int | None = None) -> dict:
-    """The job's engine generating the first `limit` input rows in this process, in the
-    pipeline's blocks; rows/s of generation (model load excluded)."""
-    import torch
-
-    from pipeline.engine import Engine
+def engine_alone(job_file: Path, limit: int | None = None) -> dict:
+    """The job's engine generating `limit` of its input rows (all: None) in this process, in
+    the pipeline's blocks, sampled and measured as `spot-pipeline estimate` samples and
+    measures them; rows/s of generation (model load excluded)."""
+    from pipeline.estimate import measure, sample_rows
     from pipeline.job import load_job
     from pipeline.runner import rows_per_block
 
     job = load_job(job_file)
-    rows = engine_rows(input_path, limit)
-    torch.set_num_threads(max(1, round(job.resources.num_cpus)))
-    start = time.perf_counter()
-    engine = Engine(job)
-    startup = time.perf_counter() - start
-    block = rows_per_block(pq.read_metadata(input_path).num_rows, job)
-    start = time.perf_counter()
-    errors = 0
-    for first in range(0, rows.num_rows, block):
-        out = engine.process(rows.slice(first, block))
-        errors += out.num_rows - out.column("error").null_count
-    seconds = time.perf_counter() - start
+    rows, input_rows = sample_rows(job, limit or 1 << 62)
+    measured = measure(job, rows, rows_per_block(input_rows, job))
     return {
-        "rows": rows.num_rows,
-        "errors": errors,
-        "startup_seconds": startup,
-        "seconds": seconds,
-        "rows_per_second": rows.num_rows / seconds,
+        "rows": measured.sample_rows,
+        "errors": measured.errors,
+        "startup_seconds": measured.rates.startup_seconds,
+        "seconds": measured.generate_seconds,
+        "rows_per_second": measured.sample_rows / measured.generate_seconds,
     }
 
 
@@ -162,9 +142,9 @@ def main() -> None:
             parse_job(job)
             job_file = work / f"job-{rows}.yaml"
             job_file.write_text(yaml.safe_dump(job))
-            before = engine_alone(job_file, input_path, args.engine_rows or None)
+            before = engine_alone(job_file, args.engine_rows or None)
             size_runs = [pipeline_run(job_file, rows, variant) for variant in variants]
-            after = engine_alone(job_file, input_path, args.engine_rows or None)
+            after = engine_alone(job_file, args.engine_rows or None)
             engine = {
                 "rows": rows,
                 "engine_rows": before["rows"] + after["rows"],

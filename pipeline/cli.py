@@ -17,7 +17,7 @@ import click
 
 COMMANDS = {
     "report": "pipeline.report:report_command",
-    "estimate": "pipeline.estimate:estimate_command",
+    "estimate": "pipeline.estimate_command:estimate_command",
     "record-trajectories": "pipeline.drafter_training:record_command",
     "train-drafter": "pipeline.drafter_training:train_command",
     "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",
