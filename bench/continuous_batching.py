@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -131,16 +131,34 @@ def table(rows: list[Row], eos_ids: Sequence[int], heading: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def target_arguments(p: argparse.ArgumentParser, prompts: int, batch_sizes: list[int]) -> None:
+    """The bundled target, prompts, batch sizes and decoding a batching benchmark takes."""
     p.add_argument("--target", default="sdar-tiny")
-    p.add_argument("--prompts", type=int, default=400, help="first N held-out prompts")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--prompts", type=int, default=prompts, help="first N held-out prompts")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="where the target runs: cpu, cuda, auto")
+
+
+def spot_auto(target, name: str, block_length: int, batch_sizes) -> Callable[[], AutoBudget]:
+    """Fresh SPOT `budget: auto` drafters for the bundled target `name`, the forward cost
+    measured once here for every width the batch sizes can reach, as a replica does."""
+    path = builtin_drafter(name, "spot", block_length)
+    curve = acceptance_curve("spot", path)
+    largest = max(curve.budgets)
+    widths = {1, 2, 4, 8, 16, 32}
+    for b in batch_sizes:
+        widths |= {b, b * (largest + 1)}
+    cost = measure_forward_cost(target, block_length, 4 * block_length, sorted(widths))
+    return lambda: AutoBudget(load_drafter("spot", path, largest, target), curve, cost)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    target_arguments(p, prompts=400, batch_sizes=[8, 32])
+    p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
     torch.set_grad_enabled(False)
 
@@ -149,21 +167,13 @@ def main() -> None:
     config = DecodingConfig(
         gen_length=args.gen_length, block_length=args.block_length, temperature=args.temperature
     )
-    path = builtin_drafter(args.target, "spot", args.block_length)
-    curve = acceptance_curve("spot", path)
-    largest = max(curve.budgets)
-    widths = {1, 2, 4, 8, 16, 32}
-    for b in args.batch_sizes:
-        widths |= {b, b * (largest + 1)}
-    cost = measure_forward_cost(target, args.block_length, 4 * args.block_length, sorted(widths))
-
+    auto = spot_auto(target, args.target, args.block_length, args.batch_sizes)
     rows = []
     for b in args.batch_sizes:
         for batching in ("static", "continuous"):
             rows.append(Row("draft-free", batching, b))
         for batching in ("static", "continuous"):
-            auto = AutoBudget(load_drafter("spot", path, largest, target), curve, cost)
-            rows.append(Row("SPOT auto", batching, b, auto))
+            rows.append(Row("SPOT auto", batching, b, auto()))
     take_turns(rows, target, requests, config)
     heading = (
         f"### {args.target} ({args.dtype}, {target.device}) — block {config.block_length}, gen "

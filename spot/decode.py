@@ -12,6 +12,10 @@ Since a request's transitions depend only on its own states, logits and coupled 
 output does not depend on which requests share its forwards. A request may bring a stop
 check (`Request.stop`), asked after each of its blocks completes: stopping there keeps every
 token decoded so far, so a stopped output is the unstopped one up to that block.
+On a block-causal target a request's prompt is computed once, as the final prefix of its
+first forward; with a prefix cache (`spot.models.prefix_cache`, owned by the caller and
+passed in, reused across calls) the prompt's cached whole blocks are not computed at all, and
+what requests admitted together share is computed once for all of them (docs/design.md §1.2).
 The engine speaks token ids only; it knows nothing of tokenizers or files.
 """
 
@@ -27,6 +31,7 @@ import torch
 from spot.commit import commit_rule
 from spot.config import ConfidenceName, DecodingConfig
 from spot.drafting import Drafter, DraftInput, StepNoise
+from spot.models.prefix_cache import PrefixCache
 from spot.target import Target, Window
 from spot.tree import DraftTree, Layout, State, advance, verify_walk
 
@@ -56,6 +61,15 @@ class RequestStats:
     # this request's share of those forwards: 1/n of each forward over n requests. Summed
     # over requests it counts the forwards, whatever the batches (`requests_per_forward`)
     forward_share: float = 0.0
+    # its prompt's whole blocks on a block-causal target: positions whose KV it took from the
+    # prefix cache or from a prefix computed once for it and requests admitted with it (the
+    # first of them counts that computation), positions computed in its name, and the time
+    # of computing those: the whole of a forward that computes only prompts, and of a forward
+    # that also scores states, the share of its tokens that are this prompt's (what a forward
+    # costs on a CPU; on a GPU, where a forward's width is nearly free, an upper bound)
+    prompt_tokens_reused: int = 0
+    prompt_tokens_computed: int = 0
+    prefill_seconds: float = 0.0
 
     @property
     def steps_per_forward(self) -> float:
@@ -130,11 +144,12 @@ def generate(
     trace: Trace | None = None,
     on_walk: WalkObserver | None = None,
     max_active: int | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[Result]:
     """Decode `requests`; results in request order. max_active: how many decode at once
     (None: all of them, one batch that shrinks as its requests finish)."""
     results: dict[int, Result] = dict(
-        stream(target, requests, config, drafter, trace, on_walk, max_active)
+        stream(target, requests, config, drafter, trace, on_walk, max_active, prefix_cache)
     )
     return [results[i] for i in range(len(results))]
 
@@ -147,13 +162,23 @@ def stream(
     trace: Trace | None = None,
     on_walk: WalkObserver | None = None,
     max_active: int | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[tuple[int, Result]]:
     """Decode `requests` with continuous batching; yields (index in `requests`, result) as
     requests finish. Up to `max_active` requests decode at once (None: all of them); a
     request is taken from `requests` when a place is free, so `requests` may be a generator
-    that produces them as they come."""
+    that produces them as they come. prefix_cache: prompt KV to reuse and add to (its block
+    length is the config's; the target must take one, see `Target.prefix_cache_problem`)."""
     if max_active is not None and max_active < 1:
         raise ValueError(f"max_active must be at least 1, not {max_active}")
+    if prefix_cache is not None:
+        if target.prefix_cache_problem is not None:
+            raise ValueError(f"no prefix cache for this target: {target.prefix_cache_problem}")
+        if prefix_cache.block_length != config.block_length:
+            raise ValueError(
+                f"a prefix cache of block length {prefix_cache.block_length} cannot serve "
+                f"block_length {config.block_length}"
+            )
     confidence = config.confidence or target.confidence
     hidden = (drafter is not None and drafter.needs_hidden) or getattr(trace, "needs_hidden", False)
     waiting = enumerate(requests)
@@ -165,18 +190,24 @@ def stream(
             if a.ended:
                 yield a.index, _finish(a)
         active = [a for a in active if not a.ended]
-        while max_active is None or len(active) < max_active:
+        admitted = []
+        while max_active is None or len(active) + len(admitted) < max_active:
             index, request = next(waiting, (None, None))
             if request is None:
                 break
-            active.append(_open(target, index, request, config))
+            admitted.append(_open(target, index, request, config, prefix_cache))
+        if prefix_cache is not None and len(admitted) > 1:
+            _prefill_shared(target, admitted)
+        active += admitted
         if not active:
             return
         # 1-2. roots are the last successors; the drafter grows trees from the stale logits
         trees, drafted = _propose(drafter, active, config, confidence, noise)
         # 3. one forward scores every node of every tree
         verify_start = time.perf_counter()
+        prompts = _prompt_tokens(target, active, trees)
         scores = _score(target, active, trees, config.block_length, hidden)
+        _count_prefill(active, prompts, time.perf_counter() - verify_start)
         # 4. the commit rule's successors, and the walks through the trees
         successors = _successors(active, trees, scores, config, target, confidence, noise)
         verify_seconds = time.perf_counter() - verify_start
@@ -212,7 +243,13 @@ def stream(
         noise.keep_ahead((a.key, a.root.step) for a in active if not a.ended)
 
 
-def _open(target: Target, index: int, request: Request, config: DecodingConfig) -> _Active:
+def _open(
+    target: Target,
+    index: int,
+    request: Request,
+    config: DecodingConfig,
+    prefix_cache: PrefixCache | None,
+) -> _Active:
     admitted = time.perf_counter()
     prompt = request.prompt.to(torch.long)
     layout = Layout.for_prompt(
@@ -232,9 +269,51 @@ def _open(target: Target, index: int, request: Request, config: DecodingConfig) 
         )
     sequence = torch.full((layout.total_length,), target.mask_id, dtype=torch.long)
     sequence[: prompt.numel()] = prompt
-    context = target.open(prompt, layout.total_length)
+    if prefix_cache is None:
+        context = target.open(prompt, layout.total_length)
+    else:
+        context = target.open(prompt, layout.total_length, prefix_cache)
     root = State(layout.first_block, layout.initial_block(prompt), 0, 0)
-    return _Active(index, request.key, layout, context, sequence, root, admitted, request.stop)
+    a = _Active(index, request.key, layout, context, sequence, root, admitted, request.stop)
+    a.stats.prompt_tokens_reused = target.committed_length(context)
+    return a
+
+
+def _prefill_shared(target: Target, admitted: list[_Active]) -> None:
+    """Compute once what the prompts of requests admitted together share beyond the prefix
+    cache; the time goes to the requests in whose name it was computed, by token count."""
+    before = [target.committed_length(a.context) for a in admitted]
+    start = time.perf_counter()
+    computed = target.prefill_shared([a.context for a in admitted])
+    seconds = time.perf_counter() - start
+    total = sum(computed)
+    for a, was, own in zip(admitted, before, computed, strict=True):
+        gained = target.committed_length(a.context) - was
+        a.stats.prompt_tokens_reused += gained - own
+        a.stats.prompt_tokens_computed += own
+        if total:
+            a.stats.prefill_seconds += seconds * own / total
+
+
+def _prompt_tokens(target: Target, active: list[_Active], trees: list[DraftTree]):
+    """Per request, the prompt positions its row of the next forward computes (a block-causal
+    target's first forward of a request), and the tokens of all rows of that forward."""
+    prompts, tokens = [], 0
+    for a, tree in zip(active, trees):
+        pending = a.root.origin - target.committed_length(a.context)
+        first = target.block_causal and a.stats.nfe == 0
+        prompts.append(pending if first else 0)
+        tokens += pending + sum(node.span.numel() for node in tree.nodes)
+    return prompts, tokens
+
+
+def _count_prefill(active: list[_Active], prompts, seconds: float) -> None:
+    """The prompt positions a forward computed, and its time by their share of its tokens."""
+    counts, tokens = prompts
+    for a, count in zip(active, counts):
+        if count:
+            a.stats.prompt_tokens_computed += count
+            a.stats.prefill_seconds += seconds * count / tokens
 
 
 def _rebase(a: _Active, state: State) -> State:

@@ -5,6 +5,8 @@ for block-causal targets, the exact KV cache of committed blocks) and scores can
 A candidate is a *window* of tokens starting at the context's committed length and ending at
 the end of the candidate's current block: committed-but-not-yet-cached blocks, then the block
 being decoded. One `score` call takes the windows of many requests, many per request.
+A block-causal target may take a prefix cache (`spot.models.prefix_cache`) when it opens
+contexts: a context then starts with its prompt's cached whole blocks already final.
 """
 
 from __future__ import annotations
@@ -52,9 +54,19 @@ class Target(Protocol):
     confidence: ConfidenceName  # the family's own confidence at T>0
     max_length: int  # longest sequence (prompt + generation) the target accepts
     opening_commit: bool  # each block's first transition commits its first position (Dream)
+    block_causal: bool  # KV cache of final positions: a prompt is computed once, then reused
+    prefix_cache_problem: str | None  # why it cannot take a prefix cache; None: it can
 
-    def open(self, prompt: torch.Tensor, total_length: int) -> Any:
-        """A fresh context for one request: prompt [P] long, total sequence length."""
+    def open(self, prompt: torch.Tensor, total_length: int, prefix_cache: Any = None) -> Any:
+        """A fresh context for one request: prompt [P] long, total sequence length; with a
+        prefix cache (only where `prefix_cache_problem` is None), its prompt's longest cached
+        whole-block prefix is final from the start."""
+        ...
+
+    def prefill_shared(self, contexts: Sequence[Any]) -> list[int]:
+        """Make final, computing each once, the prompt prefixes that several of these freshly
+        opened contexts (opened with a prefix cache) share and did not find cached; returns
+        the positions computed in each context's name."""
         ...
 
     def committed_length(self, context: Any) -> int:

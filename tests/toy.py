@@ -27,6 +27,8 @@ class ToyTarget:
     confidence = "untempered"
     max_length = 512
     opening_commit = False
+    block_causal = False
+    prefix_cache_problem = "the toy target attends bidirectionally"
 
     def __init__(self, seed: int = 0, absolute_block_grid: bool = False, sharpness: float = 3.0):
         g = torch.Generator().manual_seed(seed)

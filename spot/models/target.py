@@ -8,8 +8,13 @@ Two attention regimes (docs/design.md §1.2):
   requests are padded, cache lengths may differ. The `keep` leading tokens of a window are
   final: their KV from this same forward is appended to the cache, so storing a finished
   block costs no pass of its own (it rides on the next block's first pass).
+  With a prefix cache (`spot.models.prefix_cache`), a request opens with the KV of its
+  prompt's longest cached whole-block prefix, the prompt prefixes that several requests opened
+  together share and the cache lacks are computed once (`prefill_shared`), and a prompt's whole
+  blocks go into the cache once computed.
 - bidirectional (LLaDA, Dream): no cache; each window is one row holding the whole sequence
-  (final tokens, the window, mask tokens up to the request's total length).
+  (final tokens, the window, mask tokens up to the request's total length). No prefix cache
+  either: a prompt's KV there depends on every token after it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from spot.models.prefix_cache import PrefixCache
 from spot.models.registry import Decoding
 from spot.models.transformer import Transformer, block_causal_mask
 from spot.target import Scores, Window
@@ -33,6 +39,9 @@ class CachedContext:
     length: int = 0
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [Hkv, total, D]
     values: list[torch.Tensor] = field(default_factory=list)  # per layer [Hkv, total, D]
+    # where the prompt's whole blocks go once computed (positions [0, stored) are there)
+    prefix_cache: PrefixCache | None = None
+    stored: int = 0
 
 
 @dataclass
@@ -69,18 +78,35 @@ class DiffusionTarget:
         self.confidence = decoding.confidence
         self.opening_commit = decoding.opening_commit
         self.max_length = min(decoding.max_length, config.max_position_embeddings)
+        self.block_causal = decoding.block_causal
+        self.prefix_cache_problem = (
+            None
+            if decoding.block_causal
+            else "bidirectional attention (LLaDA, Dream): a prompt's keys and values depend "
+            "on every token after it, so no prefix cache is exact"
+        )
         parameter = next(model.parameters())
         self.device = parameter.device
 
     # -- Target protocol ---------------------------------------------------------------------
-    def open(self, prompt: torch.Tensor, total_length: int) -> CachedContext | SequenceContext:
+    def open(
+        self, prompt: torch.Tensor, total_length: int, prefix_cache: PrefixCache | None = None
+    ) -> CachedContext | SequenceContext:
         prompt = prompt.to(torch.long).cpu()
         if prompt.dim() != 1 or not 0 < prompt.numel() <= total_length:
             raise ValueError("a prompt is a non-empty 1-D token tensor within total_length")
         if total_length > self.max_length:
             raise ValueError(f"total length {total_length} > max_length {self.max_length}")
+        if prefix_cache is not None and self.prefix_cache_problem is not None:
+            raise ValueError(f"no prefix cache: {self.prefix_cache_problem}")
         if self.decoding.block_causal:
-            return CachedContext(prompt, total_length)
+            context = CachedContext(prompt, total_length, prefix_cache=prefix_cache)
+            if prefix_cache is not None:
+                prefix_cache.claim(self)
+                pieces = prefix_cache.lookup(prompt[: prefix_cache.cacheable(prompt.numel())])
+                context.stored = sum(piece[0][0].shape[1] for piece in pieces)
+                self._extend(context, pieces)
+            return context
         tokens = torch.full((total_length,), self.mask_id, dtype=torch.long)
         tokens[: prompt.numel()] = prompt
         return SequenceContext(tokens, 0 if self.absolute_block_grid else prompt.numel())
@@ -102,6 +128,31 @@ class DiffusionTarget:
             if self.decoding.block_causal:
                 return self._score_by_width(contexts, windows, block_length, output_hidden)
             return self._score_sequences(contexts, windows, block_length, output_hidden)
+
+    def prefill_shared(self, contexts: Sequence[CachedContext]) -> list[int]:
+        """Compute once the prompt prefixes that two or more of these just-opened contexts
+        share beyond what they found in their prefix cache: one forward with one row per
+        shared prefix (again while a longer one is shared), its KV copied into every context
+        that shares it and stored in the cache. What only one context needs is left to its
+        first `score`. Returns the positions computed in each context's name (a shared
+        prefix's in its first context's)."""
+        computed = [0] * len(contexts)
+        with torch.inference_mode():
+            while shared := _shared_prefixes(contexts):
+                rows, firsts = [], []
+                for members, end in shared:
+                    first = contexts[members[0]]
+                    span = torch.arange(first.length, end)
+                    zeros = torch.zeros(span.numel(), dtype=torch.long)
+                    rows.append(_Row(first.prompt[span], span, zeros, [zeros[:1]], span - span[0]))
+                    firsts.append(first)
+                    computed[members[0]] += span.numel()
+                block_length = firsts[0].prefix_cache.block_length
+                _, _, new_kv = self._forward_rows(firsts, rows, block_length, False)
+                for r, (members, _) in enumerate(shared):
+                    for m in members:
+                        self._append_cache(contexts[m], new_kv, r, rows[r].keep_index)
+        return computed
 
     def _score_by_width(self, contexts, windows, block_length, output_hidden) -> Scores:
         """Rows of one forward are padded to the widest. A request with final tokens still to
@@ -192,8 +243,28 @@ class DiffusionTarget:
         rows = [
             _pack(contexts[c], [windows[i] for i in by_context[c]], block_length) for c in order
         ]
+        in_order = [contexts[c] for c in order]
+        logits, hidden, new_kv = self._forward_rows(in_order, rows, block_length, output_hidden)
+        out_logits: list[torch.Tensor | None] = [None] * len(windows)
+        out_hidden: list[torch.Tensor | None] = [None] * len(windows)
+        for r, c in enumerate(order):
+            for k, i in enumerate(by_context[c]):
+                span = slice(k * block_length, (k + 1) * block_length)
+                out_logits[i] = logits[r, span]
+                if hidden is not None:
+                    out_hidden[i] = hidden[r, span]
+            if rows[r].keep_index is not None:
+                self._append_cache(contexts[c], new_kv, r, rows[r].keep_index)
+        return Scores(
+            torch.stack(out_logits),
+            torch.stack(out_hidden) if output_hidden else None,
+        )
+
+    def _forward_rows(self, contexts: list[CachedContext], rows: list[_Row], block_length, hidden):
+        """One forward of packed rows, row r over the cache of contexts[r]: logits (and
+        hidden) [R, S, ...] at each row's outputs in order, and the rows' new (k, v) per layer."""
         n, width = len(rows), max(r.tokens.numel() for r in rows)
-        cached = torch.tensor([contexts[c].length for c in order])  # [R]
+        cached = torch.tensor([ctx.length for ctx in contexts])  # [R]
         past_width = int(cached.max())
 
         tokens = torch.full((n, width), self.mask_id, dtype=torch.long)
@@ -214,66 +285,70 @@ class DiffusionTarget:
         past_mask = past_mask & valid[:, :, None]  # [R, width, past_width]
         mask = torch.cat([past_mask, new_mask], dim=-1)[:, None]  # [R, 1, width, past + width]
 
-        past = self._gather_cache([contexts[c] for c in order], past_width)
-        slots = max(len(row.outputs) for row in rows) * block_length
-        logits_at = torch.zeros((n, slots), dtype=torch.long)
-        for r, row in enumerate(rows):
-            flat = torch.cat(row.outputs)
+        past = self._gather_cache(contexts, past_width)
+        outputs = [torch.cat(row.outputs) for row in rows]
+        logits_at = torch.zeros((n, max(o.numel() for o in outputs)), dtype=torch.long)
+        for r, flat in enumerate(outputs):
             logits_at[r, : flat.numel()] = flat
-        logits, hidden, new_kv = self.model(
+        return self.model(
             tokens.to(self.device),
             positions.to(self.device),
             mask.to(self.device),
             past_kv=past,
-            output_hidden=output_hidden,
+            output_hidden=hidden,
             logits_at=logits_at.to(self.device),
         )
 
-        out_logits: list[torch.Tensor | None] = [None] * len(windows)
-        out_hidden: list[torch.Tensor | None] = [None] * len(windows)
-        for r, c in enumerate(order):
-            for k, i in enumerate(by_context[c]):
-                span = slice(k * block_length, (k + 1) * block_length)
-                out_logits[i] = logits[r, span]
-                if hidden is not None:
-                    out_hidden[i] = hidden[r, span]
-            if rows[r].keep_index is not None:
-                self._append_cache(contexts[c], new_kv, r, rows[r].keep_index)
-        return Scores(
-            torch.stack(out_logits),
-            torch.stack(out_hidden) if output_hidden else None,
-        )
-
     def _gather_cache(self, contexts: list[CachedContext], width: int):
-        """Per layer (k, v) [R, Hkv, width, D], zero beyond each request's cache."""
+        """Per layer (k, v) [R, Hkv, width, D]: each request's cache, then positions it has
+        not filled (zeros, the mask hides them; its buffer is zero there until filled)."""
         if width == 0:
             return None
         template = next(ctx for ctx in contexts if ctx.length)
         past = []
         for layer in range(len(template.keys)):
             heads, _, dim = template.keys[layer].shape
-            k = template.keys[layer].new_zeros((len(contexts), heads, width, dim))
-            v = torch.zeros_like(k)
-            for r, ctx in enumerate(contexts):
-                if not ctx.length:
+            keys, values = [], []
+            for ctx in contexts:
+                if ctx.length and ctx.total_length >= width:
+                    keys.append(ctx.keys[layer][:, :width])
+                    values.append(ctx.values[layer][:, :width])
                     continue
-                k[r, :, : ctx.length] = ctx.keys[layer][:, : ctx.length]
-                v[r, :, : ctx.length] = ctx.values[layer][:, : ctx.length]
-            past.append((k, v))
+                k = template.keys[layer].new_zeros((heads, width, dim))
+                v = torch.zeros_like(k)
+                if ctx.length:
+                    k[:, : ctx.length] = ctx.keys[layer][:, : ctx.length]
+                    v[:, : ctx.length] = ctx.values[layer][:, : ctx.length]
+                keys.append(k)
+                values.append(v)
+            past.append((torch.stack(keys), torch.stack(values)))
         return past
 
     def _append_cache(self, ctx: CachedContext, new_kv, row: int, index: torch.Tensor) -> None:
+        """Make the tokens at `index` of a forward's row final in `ctx`: their (k, v) from
+        that forward, per layer [R, Hkv, L, D], go after its cache."""
         index = index.to(self.device)
-        end = ctx.length + index.numel()
-        for layer, (k, v) in enumerate(new_kv):
-            if len(ctx.keys) <= layer:
-                heads, dim = k.shape[1], k.shape[3]
-                shape = (heads, ctx.total_length, dim)
-                ctx.keys.append(k.new_zeros(shape))
-                ctx.values.append(v.new_zeros(shape))
-            ctx.keys[layer][:, ctx.length : end] = k[row, :, index]
-            ctx.values[layer][:, ctx.length : end] = v[row, :, index]
-        ctx.length = end
+        self._extend(ctx, [[(k[row, :, index], v[row, :, index]) for k, v in new_kv]])
+
+    def _extend(self, ctx: CachedContext, pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+        """Append KV pieces (each per layer (k, v) [Hkv, n, D]) to a context's cache; the
+        prompt's whole blocks, once all there, go into its prefix cache."""
+        for piece in pieces:
+            end = ctx.length + piece[0][0].shape[1]
+            for layer, (k, v) in enumerate(piece):
+                if len(ctx.keys) <= layer:
+                    shape = (k.shape[0], ctx.total_length, k.shape[2])
+                    ctx.keys.append(k.new_zeros(shape))
+                    ctx.values.append(v.new_zeros(shape))
+                ctx.keys[layer][:, ctx.length : end] = k
+                ctx.values[layer][:, ctx.length : end] = v
+            ctx.length = end
+        cache = ctx.prefix_cache
+        if cache is not None:
+            whole = min(ctx.length, cache.cacheable(ctx.prompt.numel()))
+            if whole > ctx.stored:
+                cache.insert(ctx.prompt[:whole], list(zip(ctx.keys, ctx.values)))
+                ctx.stored = whole
 
 
 def _pack(ctx: CachedContext, windows: list[Window], block_length: int) -> _Row:
@@ -306,6 +381,31 @@ def _pack(ctx: CachedContext, windows: list[Window], block_length: int) -> _Row:
     return _Row(tokens, ctx.length + within, torch.cat(groups), outputs, keep_index)
 
 
+def _shared_prefixes(contexts: Sequence[CachedContext]) -> list[tuple[list[int], int]]:
+    """(contexts, end) for each prompt prefix that two or more contexts need next: those
+    whose caches end at the same tokens and whose prompts go on with the same whole block,
+    with the end of the whole blocks they all share."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, ctx in enumerate(contexts):
+        cache = ctx.prefix_cache
+        if cache is not None and ctx.length < cache.cacheable(ctx.prompt.numel()):
+            key = tuple(ctx.prompt[: ctx.length + cache.block_length].tolist())
+            groups.setdefault(key, []).append(i)
+    shared = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        first = contexts[members[0]]
+        block_length = first.prefix_cache.block_length
+        end = min(first.prefix_cache.cacheable(contexts[m].prompt.numel()) for m in members)
+        for m in members[1:]:
+            differs = (contexts[m].prompt[:end] != first.prompt[:end]).nonzero()
+            if differs.numel():
+                end = int(differs[0]) // block_length * block_length
+        shared.append((members, end))
+    return shared
+
+
 def _check_windows(contexts, windows, block_length: int, block_causal: bool) -> None:
     keeping: set[int] = set()
     if not windows:
@@ -326,6 +426,11 @@ def _check_windows(contexts, windows, block_length: int, block_causal: bool) -> 
         if w.keep:
             keeping.add(w.context)
         if block_causal:
+            cache = ctx.prefix_cache
+            if cache is not None and cache.block_length != block_length:
+                raise ValueError(
+                    f"block length {block_length} for a prefix cache of {cache.block_length}"
+                )
             start, total = ctx.length, ctx.total_length
         else:
             start, total = ctx.committed, ctx.tokens.numel()

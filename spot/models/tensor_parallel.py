@@ -296,6 +296,8 @@ class ShardedTarget:
         self.local = local
         for name in Target.__annotations__:  # the protocol's attributes, as rank 0 has them
             setattr(self, name, getattr(local, name))
+        # each rank holds its own heads' KV; a prefix cache would have to be mirrored on all
+        self.prefix_cache_problem = "a tensor-parallel target has no prefix cache yet"
         self.degree = group.spec.degree
         self._mirror = _Mirror()
 
