@@ -13,15 +13,15 @@ request each (`bench/continuous_batching.py: take_turns`), so a slow spell of th
 machine falls on every row alike.
 
 Columns: target forwards (decode steps; not the prompt-only forwards that compute a shared
-prefix once) per second of this process's CPU time in the row's turns, prefill included
-(steadier than wall time while others load the machine); the same outside prefill (what
-attending a longer cache costs a forward: the most a prefix cache can give back); each over
-the short-prefix row of the same decoder, batch and cache; the share of the row's wall time
-spent computing prompts (`RequestStats.prefill_seconds`: forwards that only compute prompts,
-and the prompt tokens' share of the others) overall and per request (the mean of prefill
-over its own wall time); the prompt positions computed and reused (from the cache, or
-computed once for requests admitted together); generated tokens per CPU second; the budgets
-`auto` ran at; whether the tokens equal the first row's for those prompts.
+prefix once) per second of this process's CPU time in the row's turns (on a GPU, of wall
+time), prefill included (steadier than wall time while others load the machine); the same
+outside prefill (what attending a longer cache costs a forward: the most a prefix cache can
+give back); each over the short-prefix row of the same decoder, batch and cache; the share of
+the row's wall time spent computing prompts (`RequestStats.prefill_seconds`: forwards that
+only compute prompts, and the prompt tokens' share of the others) overall and per request
+(the mean of prefill over its own wall time); the prompt positions computed and reused (from
+the cache, or computed once for requests admitted together); generated tokens per second;
+the budgets `auto` ran at; whether the tokens equal the first row's for those prompts.
 """
 
 from __future__ import annotations
@@ -114,45 +114,49 @@ def system_requests(tokenizer, prompts: Sequence[dict], system: str) -> list[Req
 @dataclass(frozen=True)
 class Measured:
     forwards: float
-    rate: float  # forwards per CPU second, prefill included
-    decode_rate: float  # forwards per CPU second outside prefill
+    rate: float  # forwards per second, prefill included
+    decode_rate: float  # forwards per second outside prefill
     prefill_share: float  # of the row's wall time
     request_prefill_share: float  # mean over requests of prefill / its own wall time
     computed: int
     reused: int
-    tokens_per_second: float  # per CPU second
+    tokens_per_second: float
 
 
-def measure(row: Row, eos_ids: Sequence[int]) -> Measured:
+def measure(row: Row, eos_ids: Sequence[int], cpu_time: bool) -> Measured:
     """The row's figures; rates per second of this process's CPU time in the row's turns
-    (steadier than wall time while others load the machine), the prefill's share of it taken
-    as its share of the row's wall time."""
+    when `cpu_time` (steadier than wall time while others load the machine; the prefill's
+    share of it taken as its share of the row's wall time), else of wall time."""
+    seconds = row.cpu_seconds if cpu_time else row.seconds
     stats = [r.stats for r in row.results.values()]
     forwards = sum(s.forward_share for s in stats)
     prefill = sum(s.prefill_seconds for s in stats) / row.seconds
     tokens = sum(generated_tokens(r, eos_ids) for r in row.results.values())
     return Measured(
         forwards,
-        forwards / row.cpu_seconds,
-        forwards / (row.cpu_seconds * (1 - prefill)),
+        forwards / seconds,
+        forwards / (seconds * (1 - prefill)),
         prefill,
         statistics.mean(s.prefill_seconds / s.wall_seconds for s in stats),
         sum(s.prompt_tokens_computed for s in stats),
         sum(s.prompt_tokens_reused for s in stats),
-        tokens / row.cpu_seconds,
+        tokens / seconds,
     )
 
 
-def table(rows: list[Row], eos_ids: Sequence[int], lengths: Mapping[str, str], heading) -> str:
+def table(
+    rows: list[Row], eos_ids: Sequence[int], lengths: Mapping[str, str], cpu_time: bool, heading
+) -> str:
+    second = "CPU s" if cpu_time else "s"
     lines = [
         heading,
         "",
-        "| batch | decoder | system prompt | prefix cache | forwards | forwards per CPU s "
+        f"| batch | decoder | system prompt | prefix cache | forwards | forwards per {second} "
         "| long / short | outside prefill | long / short | prefill share | per request "
-        "| prompt tokens computed | reused | tokens per CPU s | budget auto used | exact |",
+        f"| prompt tokens computed | reused | tokens per {second} | budget auto used | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    measured = {id(r): measure(r, eos_ids) for r in rows}
+    measured = {id(r): measure(r, eos_ids, cpu_time) for r in rows}
     by_setting = {(r.system, r.setting): measured[id(r)] for r in rows}
     reference = {}
     for r in rows:
@@ -207,7 +211,8 @@ def main() -> None:
         f"(behind the long system prompt {min(prompt_lengths)}-{max(prompt_lengths)} tokens), "
         f"prefix cache {args.cache_mib:g} MiB, {torch.get_num_threads()} thread(s)"
     )
-    print(table(rows, target.eos_ids, lengths, heading))
+    cpu_time = target.device.type == "cpu"
+    print(table(rows, target.eos_ids, lengths, cpu_time, heading))
 
 
 if __name__ == "__main__":

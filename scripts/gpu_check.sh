@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The GPU checks, on a machine with CUDA, in under 8 minutes (each step has a limit):
+# The GPU checks, on a machine with CUDA, in under 9 minutes (each step has a limit):
 #   1. the GPU tests: shipped drafters lossless with the target on the GPU (T=0, 0.8, budget
-#      auto), coupled noise made on the GPU equal to the CPU's;
+#      auto), decoding with a prefix cache held on the GPU equal to decoding without one,
+#      coupled noise made on the GPU equal to the CPU's;
 #   2. bench/gpu_forward.py: one forward's cost at SDAR-8B / LLaDA-8B dimensions as the
 #      verified tree grows, and the throughput the shipped SPOT drafter's curve implies;
 #   3. bench/continuous_batching.py: static against continuous batching on the bundled
-#      held-out prompts, draft-free and SPOT budget auto, with the target on the GPU.
+#      held-out prompts, draft-free and SPOT budget auto, with the target on the GPU;
+#   4. bench/prefix_cache.py: prompts behind a ~300-token system prompt against a 6-token
+#      one, with and without the prefix cache, the target on the GPU.
 # Runs with .venv/bin/python when there is one, else $PYTHON or python3 (a machine's own
 # torch with CUDA, transformers, safetensors and tokenizers; neither Ray nor DeepSpeed).
 set -euo pipefail
@@ -28,3 +31,6 @@ timeout 150 "$PY" bench/gpu_forward.py --time-limit 120 \
 
 echo "== 3. static vs continuous batching, sdar-tiny on the GPU, 400 held-out prompts"
 timeout 180 "$PY" bench/continuous_batching.py --device cuda --prompts 400 --batch-sizes 8 32
+
+echo "== 4. prefix cache, sdar-tiny on the GPU, 16 held-out prompts behind two system prompts"
+timeout 90 "$PY" bench/prefix_cache.py --device cuda --prompts 16

@@ -1,6 +1,7 @@
 """On a machine with CUDA: the shipped drafters with the target on the GPU are lossless, at
-T=0 and T=0.8, also with budget auto. Skipped elsewhere; on CPU-only
-machines `tests/test_drafter_devices.py` covers the device handling with a stand-in device.
+T=0 and T=0.8, also with budget auto, and so is decoding with a prefix cache. Skipped
+elsewhere; on CPU-only machines `tests/test_drafter_devices.py` covers the device handling
+with a stand-in device.
 
     .venv/bin/python -m pytest tests/test_gpu.py tests/test_commit_rules.py -k "gpu or cuda"
 """
@@ -15,9 +16,10 @@ from pipeline.tokenizer import load_tokenizer
 from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter, resolve_builtin
 from spot.config import DecodingConfig
-from spot.decode import generate
+from spot.decode import Request, generate
 from spot.drafters.registry import acceptance_curve, load_drafter
 from spot.models.loading import load_target
+from spot.models.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -54,3 +56,22 @@ def test_budget_auto_on_the_gpu(on_gpu):
     plain = generate(target, requests, config)
     drafted = generate(target, requests, config, drafter=auto)
     assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+
+
+def test_prefix_cache_on_the_gpu(on_gpu):
+    """The prefix cache holds its KV on the GPU; decoding with it, draft-free and with SPOT,
+    gives what decoding without it gives, and the shared system prompt is computed once."""
+    target, requests = on_gpu
+    system = torch.arange(10, 10 + 70)  # 70 token ids in front of every prompt
+    shared = [Request(torch.cat([system, r.prompt]), r.key) for r in requests]
+    config = DecodingConfig(gen_length=64, block_length=32, temperature=0.8)
+    drafter = load_drafter("spot", builtin_drafter("sdar-tiny", "spot", 32, "static"), 8, target)
+    for decoder in (None, drafter):
+        plain = generate(target, shared, config, decoder, max_active=2)
+        cache = PrefixCache(1 << 30, block_length=32)
+        cached = generate(target, shared, config, decoder, max_active=2, prefix_cache=cache)
+        assert [r.tokens.tolist() for r in cached] == [r.tokens.tolist() for r in plain]
+        assert [r.stats.prompt_tokens_reused for r in cached][1:] == [64] * (len(shared) - 1)
+        assert cache.stats.bytes > 0
+        [[(keys, _), *_]] = cache.lookup(shared[0].prompt[:64])
+        assert keys.device.type == "cuda"
