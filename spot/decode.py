@@ -275,7 +275,8 @@ def _open(
         context = target.open(prompt, layout.total_length, prefix_cache)
     root = State(layout.first_block, layout.initial_block(prompt), 0, 0)
     a = _Active(index, request.key, layout, context, sequence, root, admitted, request.stop)
-    a.stats.prompt_tokens_reused = target.committed_length(context)
+    if prefix_cache is not None:  # what it found cached
+        a.stats.prompt_tokens_reused = target.committed_length(context)
     return a
 
 

@@ -162,6 +162,10 @@ def test_bidirectional_targets_have_no_prefix_cache(tiny):
     config = DecodingConfig(gen_length=8, block_length=4)
     with pytest.raises(ValueError, match="no prefix cache for this target: bidirectional"):
         generate(target, [request], config, prefix_cache=cache)
+    [result] = generate(target, [request], config)  # nothing of a prompt is ever kept
+    stats = result.stats
+    assert (stats.prompt_tokens_reused, stats.prompt_tokens_computed) == (0, 0)
+    assert stats.prefill_seconds == 0
 
 
 def test_a_cache_serves_its_own_block_length(tiny):

@@ -260,7 +260,9 @@ class DiffusionTarget:
             torch.stack(out_hidden) if output_hidden else None,
         )
 
-    def _forward_rows(self, contexts: list[CachedContext], rows: list[_Row], block_length, hidden):
+    def _forward_rows(
+        self, contexts: list[CachedContext], rows: list[_Row], block_length: int, hidden: bool
+    ):
         """One forward of packed rows, row r over the cache of contexts[r]: logits (and
         hidden) [R, S, ...] at each row's outputs in order, and the rows' new (k, v) per layer."""
         n, width = len(rows), max(r.tokens.numel() for r in rows)
