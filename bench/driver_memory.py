@@ -276,7 +276,7 @@ def main() -> None:
 
 def _rows_per_part(job_file: Path, rows: int) -> int:
     from pipeline.job import parse_job
-    from pipeline.runner import rows_per_block
+    from pipeline.stages import rows_per_block
 
     return rows_per_block(rows, parse_job(yaml.safe_load(job_file.read_text())))
 

@@ -73,7 +73,7 @@ def engine_alone(job_file: Path, limit: int | None = None) -> dict:
     measures them; rows/s of generation (model load excluded)."""
     from pipeline.estimate import measure, sample_rows
     from pipeline.job import load_job
-    from pipeline.runner import rows_per_block
+    from pipeline.stages import rows_per_block
 
     job = load_job(job_file)
     rows, input_rows = sample_rows(job, limit or 1 << 62)

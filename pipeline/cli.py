@@ -10,10 +10,10 @@ import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
-from typing import TypeVar
 
 import click
+
+from pipeline.job_options import load_or_exit, or_exit, plan_or_exit, set_option
 
 COMMANDS = {
     "report": "pipeline.report:report_command",
@@ -23,7 +23,6 @@ COMMANDS = {
     "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",
     "calibrate-spot": "pipeline.drafter_training:calibrate_spot_command",
 }
-T = TypeVar("T")  # what a checked call returns
 
 
 class LazyGroup(click.Group):
@@ -49,51 +48,16 @@ def main() -> None:
     """Lossless speculative decoding (SPOT) for diffusion LMs, as Ray Data batch jobs."""
 
 
-def _or_exit(header: str, check: Callable[[], T]) -> T:
-    """What `check` returns; when it raises JobError, `header` and its problems, one per
-    line, and exit status 2."""
-    from pipeline.job import JobError
-
-    try:
-        return check()
-    except JobError as error:
-        click.echo(header, err=True)
-        for problem in error.problems:
-            click.echo(f"  {problem}", err=True)
-        sys.exit(2)
-
-
-def _load_or_exit(job_file: str, overrides: tuple[str, ...]):
-    from pipeline.job import load_job
-
-    return _or_exit(f"invalid job {job_file}:", lambda: load_job(job_file, overrides))
-
-
-def _plan_or_exit(job, job_file: str):
-    from pipeline.inputs import plan_input
-
-    return _or_exit(f"invalid job {job_file}:", lambda: plan_input(job.input))
-
-
-_set_option = click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY.PATH=VALUE",
-    help="Override a job key, e.g. --set decoding.temperature=0.7 (repeatable).",
-)
-
-
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@_set_option
+@set_option
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE (schema, paths, builtins, input columns) without running it."""
-    job = _load_or_exit(job_file, overrides)
-    plan = _plan_or_exit(job, job_file)
+    job = load_or_exit(job_file, overrides)
+    plan = plan_or_exit(job, job_file)
     from pipeline.fingerprint import check_resume
 
-    _or_exit(f"invalid job {job_file}:", lambda: check_resume(job))
+    or_exit(f"invalid job {job_file}:", lambda: check_resume(job))
     duplicates = plan.duplicate_ids.num_rows
     click.echo(
         f"ok: {job.name}: {plan.num_rows} rows in {len(plan.files)} file(s), "
@@ -106,7 +70,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@_set_option
+@set_option
 @click.option(
     "--address",
     default=None,
@@ -138,8 +102,8 @@ def submit(
     Submitting again resumes; an output made with other settings (fingerprint.json) is
     refused. What Ray prints goes to the output's logs/ folder; a failure prints one message
     naming that log."""
-    job = _load_or_exit(job_file, overrides)
-    _plan_or_exit(job, job_file)
+    job = load_or_exit(job_file, overrides)
+    plan = plan_or_exit(job, job_file)
     from pipeline.ray_auth import client_token_from_environment, use_loopback
     from pipeline.runlog import failure_reason, run_log
 
@@ -157,9 +121,10 @@ def submit(
         return
     if not in_cluster:
         use_loopback()  # read by Ray when imported, just below
-    output = _claim_or_exit(job, job_file, overwrite)
-    from pipeline.runner import run_job
+    from pipeline.fingerprint import claim_output
+    from pipeline.runner import Run, run_job
 
+    output = or_exit(f"cannot submit {job_file}:", lambda: claim_output(job, overwrite))
     ray_address = "auto" if in_cluster else None
     failure: BaseException | None = None
     terminal = sys.stdout
@@ -172,7 +137,7 @@ def submit(
         bar = terminal if terminal.isatty() else None
         try:
             run_job(
-                job,
+                Run(job, plan, output),
                 ray_address=ray_address,
                 echo=echo,
                 progress_interval=progress_interval,
@@ -189,14 +154,6 @@ def submit(
         click.echo(f"[{job.name}] failed: {failure_reason(failure)}", err=True)
         click.echo(f"  the rows written are kept; the full log: {log_path}", err=True)
         sys.exit(1)
-
-
-def _claim_or_exit(job, job_file: str, overwrite: bool):
-    """The output folder, checked against the job's fingerprint (and emptied first with
-    --overwrite); an output made with other settings exits naming what differs."""
-    from pipeline.fingerprint import claim_output
-
-    return _or_exit(f"cannot submit {job_file}:", lambda: claim_output(job, overwrite))
 
 
 main.add_command(submit)

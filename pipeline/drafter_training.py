@@ -15,14 +15,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import click
 from click.core import ParameterSource
 from tqdm import tqdm
 
-from pipeline.cli import _load_or_exit, _plan_or_exit, _set_option
 from pipeline.drafter_data import corpus_prompts, encode, file_prompts, load_model_and_tokenizer
-from spot.config import DecodingConfig
+from pipeline.job_options import load_or_exit, plan_or_exit, set_option
+from spot.config import CommitRule, DecodingConfig
 from spot.drafters.files import save_order_model
 from spot.drafters.recipes import (
     OBJECTIVES,
@@ -39,44 +42,41 @@ from spot.drafters.spiffy import calibrate
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.spot_sets import SpotSetsDrafter
 from spot.drafters.trajectory import Trajectories
+from spot.drafting import Drafter
+from spot.target import Target
+
+RECORDED = DecodingConfig(gen_length=64)
+"""record-trajectories --model's decoding by default: the core's, with the 64-token
+generations the shipped drafters were recorded with."""
+DECODING_OPTIONS = (
+    "block_length",
+    "gen_length",
+    "rule",
+    "threshold",
+    "tokens_per_step",
+    "temperature",
+    "seed",
+)
 
 
 def decoding_options(f):
-    for option in reversed(
-        [
-            click.option("--block-length", default=32, show_default=True),
-            click.option("--gen-length", default=64, show_default=True),
-            click.option(
-                "--rule",
-                type=click.Choice(["static", "threshold", "sdar_dynamic"]),
-                default="static",
-                show_default=True,
-            ),
-            click.option("--threshold", default=0.9, show_default=True),
-            click.option("--tokens-per-step", default=1, show_default=True),
-            click.option("--temperature", default=0.0, show_default=True),
-            click.option("--seed", default=0, show_default=True),
-        ]
-    ):
-        f = option(f)
+    """An option for each of DECODING_OPTIONS, RECORDED's value its default."""
+    for name in reversed(DECODING_OPTIONS):
+        default = getattr(RECORDED, name)
+        kind = click.Choice([rule.value for rule in CommitRule]) if name == "rule" else None
+        flag = f"--{name.replace('_', '-')}"
+        default = str(default) if kind else default
+        f = click.option(flag, type=kind, default=default, show_default=True)(f)
     return f
 
 
 def _config(kw) -> DecodingConfig:
-    return DecodingConfig(
-        gen_length=kw["gen_length"],
-        block_length=kw["block_length"],
-        rule=kw["rule"],
-        threshold=kw["threshold"],
-        tokens_per_step=kw["tokens_per_step"],
-        temperature=kw["temperature"],
-        seed=kw["seed"],
-    )
+    return DecodingConfig(**{name: kw[name] for name in DECODING_OPTIONS})
 
 
 @click.command("record-trajectories")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
-@_set_option
+@set_option
 @click.option(
     "--model",
     "model_path",
@@ -127,23 +127,24 @@ def record_command(
             "(override them with --set decoding.KEY=VALUE)"
         )
     # a recording is draft-free: the job's drafter (perhaps the one to be trained) is not read
-    job = _load_or_exit(job_file, (*overrides, "drafter.kind=none"))
-    _plan_or_exit(job, job_file)
+    job = load_or_exit(job_file, (*overrides, "drafter.kind=none"))
+    plan = plan_or_exit(job, job_file)
+    from pipeline.locations import Location
     from pipeline.recording import record_job
     from pipeline.runner import submit_to_cluster
 
-    out = out if "://" in out else os.path.abspath(os.path.expanduser(out))
+    out = Location.parse(out).portable
     if os.path.isfile(out):
         raise click.UsageError(f"--out {out} is a file; a job records into a folder of shards")
     if in_cluster:
-        record_job(job, out, hidden, ray_address="auto", echo=click.echo)
+        record_job(job, plan, out, hidden, ray_address="auto", echo=click.echo)
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         command = ["record-trajectories", "--out", out, "--hidden" if hidden else "--no-hidden"]
         submit_to_cluster(job, address, click.echo, command)
         return
-    record_job(job, out, hidden, echo=click.echo)
+    record_job(job, plan, out, hidden, echo=click.echo)
 
 
 def _record_here(model_path, out, prompts, batch_size, hidden, kw) -> None:
@@ -202,8 +203,68 @@ _trajectories_option = click.option(
 )
 
 
+@dataclass(frozen=True)
+class TrainingOptions:
+    """train-drafter's options for its trainers (None: not given)."""
+
+    epochs: int
+    heldout: float
+    budget: int  # the tree budget of the drafter whose acceptance curve is measured
+    objective: str | None
+    adapt_from: str | None
+
+
+Progress = Callable[[int, int, float], None]
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """How train-drafter trains a drafter kind of the registry that holds a network.
+
+    train: (trajectories, target, options, progress) -> the trained network, its metrics and
+      a drafter of it for the acceptance curve.
+    own_options: options only this kind takes, and what each does (said when another kind
+      is given it).
+    """
+
+    train: Callable[[Trajectories, Target, TrainingOptions, Progress], tuple[Any, dict, Drafter]]
+    own_options: dict[str, str] = field(default_factory=dict)
+
+
+def _train_spot(traj, target, options: TrainingOptions, progress: Progress):
+    objective = options.objective or "order"
+    model, metrics = train_spot(traj, options.epochs, options.heldout, objective, progress=progress)
+    return model, metrics, SpotDrafter(model, options.budget)
+
+
+def _train_spot_sets(traj, target, options: TrainingOptions, progress: Progress):
+    if traj.hidden is None:
+        raise click.UsageError("SPOT-Sets needs trajectories recorded with --hidden")
+    source = None
+    if options.adapt_from is not None:
+        source, source_header = load_order_model(options.adapt_from, "spot-sets")
+    model, metrics = train_spot_sets(
+        traj, target.embed, options.epochs, options.heldout, adapt_from=source, progress=progress
+    )
+    if options.adapt_from is not None:
+        adapted = {"path": str(options.adapt_from), "trained_on": source_header["trained_on"]}
+        metrics["adapted_from"] = adapted
+    return model, metrics, SpotSetsDrafter(model, target.embed, options.budget)
+
+
+TRAINERS = {
+    "spot": Trainer(
+        _train_spot, {"objective": "--objective chooses how SPOT's order model learns"}
+    ),
+    "spot-sets": Trainer(
+        _train_spot_sets, {"adapt_from": "--adapt-from adapts SPOT-Sets checkpoints"}
+    ),
+}
+"""A trainer per kind of spot.drafters.registry whose files hold a network."""
+
+
 @click.command("train-drafter")
-@click.option("--kind", type=click.Choice(["spot", "spot-sets"]), default="spot")
+@click.option("--kind", type=click.Choice(list(TRAINERS)), default="spot")
 @_trajectories_option
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @click.option("--model", "model_path", required=True, help="the target (embeddings, evaluation)")
@@ -243,10 +304,11 @@ def train_command(
     objective,
 ):
     """Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories."""
-    if adapt_from is not None and kind != "spot-sets":
-        raise click.UsageError("--adapt-from adapts SPOT-Sets checkpoints (--kind spot-sets)")
-    if objective is not None and kind != "spot":
-        raise click.UsageError("--objective chooses how SPOT's order model learns (--kind spot)")
+    options = TrainingOptions(epochs, heldout, budget, objective, adapt_from)
+    for name, value in vars(options).items():
+        owner = next((k for k, t in TRAINERS.items() if name in t.own_options), None)
+        if value is not None and owner not in (None, kind):
+            raise click.UsageError(f"{TRAINERS[owner].own_options[name]} (--kind {owner})")
     traj = _load_trajectories(trajectories)
     meta = traj.meta
     evaluation = _measure_prompts(
@@ -260,22 +322,7 @@ def train_command(
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
-    if kind == "spot":
-        model, metrics = train_spot(traj, epochs, heldout, objective or "order", progress=progress)
-        drafter = SpotDrafter(model, budget)
-    else:
-        if traj.hidden is None:
-            raise click.UsageError("SPOT-Sets needs trajectories recorded with --hidden")
-        source = None
-        if adapt_from is not None:
-            source, source_header = load_order_model(adapt_from, "spot-sets")
-            adapted = {"path": str(adapt_from), "trained_on": source_header["trained_on"]}
-        model, metrics = train_spot_sets(
-            traj, target.embed, epochs, heldout, adapt_from=source, progress=progress
-        )
-        if adapt_from is not None:
-            metrics["adapted_from"] = adapted
-        drafter = SpotSetsDrafter(model, target.embed, budget)
+    model, metrics, drafter = TRAINERS[kind].train(traj, target, options, progress)
     bar.close()
     config = recorded_decoding(meta)
     requests = encode(tokenizer, evaluation)

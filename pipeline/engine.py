@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from pipeline.job import InputConfig, Job, resolve_model_path
+from pipeline.job import InputConfig, Job
 from pipeline.prompts import PromptError, cut_at_stop, find_stop, prompt_ids, prompt_text
 from pipeline.schema import (
     GENERATED_FIELDS,
@@ -44,16 +44,15 @@ def load_tokenizer(job: Job, directory: Path | None = None) -> Any:
     """The tokenizer of job.model (a hub id not yet cached is downloaded), or of its
     checkpoint `directory` when the caller found it already."""
     from pipeline.tokenizer import load_tokenizer as load
-    from spot.models.loading import resolve_checkpoint
 
-    return load(directory or resolve_checkpoint(resolve_model_path(job.model.path)))
+    return load(directory or job.model.path.checkpoint())
 
 
 def load_model(job: Job) -> tuple[Any, Target]:
     """The tokenizer and target of job.model (a hub id not yet cached is downloaded)."""
-    from spot.models.loading import DTYPES, load_target, resolve_checkpoint
+    from spot.models.loading import DTYPES, load_target
 
-    directory = resolve_checkpoint(resolve_model_path(job.model.path))
+    directory = job.model.path.checkpoint()
     device = "cuda" if job.resources.num_gpus > 0 else "cpu"  # Ray exposes the replica's GPU
     tokenizer = load_tokenizer(job, directory)
     if job.model.tensor_parallel > 1:
@@ -84,7 +83,7 @@ def build_drafter(job: Job, target: Target) -> Drafter | None:
     path = job.drafter_path()
     if path is None:
         return None
-    from spot.budget import AutoBudget, measure_forward_cost
+    from spot.budget import measure_forward_cost
     from spot.drafters.registry import acceptance_curve, load_drafter
 
     if job.drafter.budget != "auto":
@@ -241,7 +240,7 @@ class Engine:
         errors = batch.column(ROW_ERROR).to_pylist()
         prompts = batch.column(PROMPT_IDS).to_pylist()
         columns: dict[str, list] = {f.name: [None] * batch.num_rows for f in GENERATED_FIELDS}
-        columns["model"] = [self.job.model.path] * batch.num_rows
+        columns["model"] = [self.job.model.path.text] * batch.num_rows
         columns["drafter"] = [self.drafter_label] * batch.num_rows
         columns["seed"] = [self.config.seed] * batch.num_rows
 

@@ -31,7 +31,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.job import CostConfig, Job
-from pipeline.schema import ROW_ERROR, SAMPLE_INDEX
 
 CLUSTER_MULTIPLES = (1, 2, 4, 8, 16)
 
@@ -272,7 +271,7 @@ def block_rows(job: Job, input_rows: int) -> int:
     """Rows a replica takes per call when the pipeline runs this job's whole input, at most
     MAX_BATCHES_PER_BLOCK batches (a job so large that its blocks grow beyond that decodes
     them at the same rate: the sample stays quick)."""
-    from pipeline.runner import MAX_BATCHES_PER_BLOCK, rows_per_block
+    from pipeline.stages import MAX_BATCHES_PER_BLOCK, rows_per_block
 
     block = rows_per_block(input_rows * job.decoding.samples_per_prompt, job)
     return min(block, job.resources.batch_size * MAX_BATCHES_PER_BLOCK)
@@ -280,24 +279,23 @@ def block_rows(job: Job, input_rows: int) -> int:
 
 def sample_rows(job: Job, size: int | None, seed: int = 0) -> tuple[pa.Table, int]:
     """A seeded random sample of `size` input rows (None: enough for one block of the whole
-    job, see `block_rows`) in the engine's input form (renamed columns, one row per sample,
-    no pre-generation error), and the number of input rows."""
+    job, see `block_rows`) in the engine's input form (`stages.expand_rows`: renamed
+    columns, one row per sample, the errors a run marks before generation), and the number
+    of input rows."""
     from pipeline.inputs import plan_input
+    from pipeline.stages import expand_rows
 
     plan = plan_input(job.input)
-    table = plan.rows()
     total = plan.num_rows
     if size is None:
         size = max(1, block_rows(job, total) // job.decoding.samples_per_prompt)
     chosen = np.sort(np.random.default_rng(seed).choice(total, min(size, total), replace=False))
-    rows = table.take(pa.array(chosen))
-    rows = rows.rename_columns([plan.renamed[name] for name in rows.column_names])
+    rows = plan.rows().take(pa.array(chosen))
     samples = job.decoding.samples_per_prompt
-    if ROW_ERROR not in rows.column_names:  # JSON Lines rows carry the reader's errors
-        rows = rows.append_column(ROW_ERROR, pa.nulls(rows.num_rows, pa.string()))
-    expanded = rows.take(pa.array(np.repeat(np.arange(rows.num_rows), samples)))
-    index = np.tile(np.arange(samples, dtype=np.int64), rows.num_rows)
-    return expanded.append_column(SAMPLE_INDEX, pa.array(index)), total
+    expanded = expand_rows(
+        rows, config=job.input, samples=samples, duplicate_ids=plan.duplicate_ids
+    )
+    return expanded, total
 
 
 def measure(job: Job, rows: pa.Table, block: int | None = None) -> Measurement:

@@ -16,6 +16,7 @@ from pipeline.estimate import (
     plan_estimate,
     sample_rows,
 )
+from pipeline.job_options import set_option
 
 
 @click.command("estimate")
@@ -29,13 +30,7 @@ from pipeline.estimate import (
     "a smaller sample is noisier and ends with its batch draining sooner.",
 )
 @click.option("--seed", default=0, show_default=True, help="Seed of the row sample.")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY.PATH=VALUE",
-    help="Override a job key, e.g. --set resources.replicas=8 (repeatable).",
-)
+@set_option
 @click.option("--json", "as_json", is_flag=True, help="Print the projection as JSON (for scripts).")
 def estimate_command(
     job_file: str, sample: int, seed: int, overrides: tuple[str, ...], as_json: bool

@@ -20,7 +20,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import os
 import posixpath
 from collections.abc import Callable
 from pathlib import Path
@@ -28,10 +27,9 @@ from typing import Any, TypeVar
 
 import pyarrow.fs as pafs
 
-from pipeline.job import Job, JobError, checkpoint_family, parse_job, resolve_model_path
+from pipeline.job import Job, JobError, checkpoint_family
 from pipeline.output import DATA_DIR, REPORT_DIR, SUMMARY_FILE, OutputDir, write_atomically
-from spot.builtin import is_builtin
-from spot.models.hub import CHECKPOINT_FILES, is_hub_id
+from spot.models.hub import CHECKPOINT_FILES
 
 FINGERPRINT_FILE = "fingerprint.json"
 INPUT_KEYS_FREE = ("path", "limit")  # where the rows are and how many: not how they decode
@@ -47,12 +45,12 @@ class ResumeRefused(JobError):
 
 def fingerprint(job: Job) -> dict[str, Any]:
     """Every job key that decides the tokens, with its value (see the module docstring)."""
-    model_dir = _local_checkpoint(job.model.path)
+    model_dir = _local_checkpoint(job)
     family = job.model.family
     if family is None and model_dir is not None:
         family = checkpoint_family(model_dir)[1]
     keys: dict[str, Any] = {
-        "model.path": _model_location(job.model.path),
+        "model.path": job.model.path.portable,
         "model.checkpoint": None if model_dir is None else checkpoint_identity(model_dir),
         "model.family": family,
         "model.dtype": job.model.dtype,
@@ -60,7 +58,7 @@ def fingerprint(job: Job) -> dict[str, Any]:
     for name, value in job.input.model_dump(mode="json").items():
         if name not in INPUT_KEYS_FREE:
             keys[f"input.{name}"] = value
-    for name, value in job.decoding.model_dump(mode="json").items():
+    for name, value in job.model_dump(mode="json")["decoding"].items():
         keys[f"decoding.{name}"] = value
     return keys
 
@@ -125,8 +123,7 @@ def _refuse_other_rows(
 ) -> None:
     if not _io(output.part_files):
         return
-    made_with = recorded or _fingerprint_of_summary(output)
-    changed = differences(made_with, current) if made_with else []
+    changed = differences(recorded, current) if recorded else []
     if changed:
         raise ResumeRefused(
             [
@@ -167,37 +164,16 @@ def clear_output(output: OutputDir) -> None:
             filesystem.delete_file(path)
 
 
-def _fingerprint_of_summary(output: OutputDir) -> dict[str, Any] | None:
-    """The fingerprint of the job an output made before fingerprints were recorded, from its
-    summary.json, when that job still parses."""
-    try:
-        job = (output.read_summary() or {}).get("job")
-        return fingerprint(parse_job(job)) if job else None
-    except (JobError, OSError, ValueError):
-        return None
-
-
 def _path(output: OutputDir) -> str:
     return posixpath.join(output.root, FINGERPRINT_FILE)
 
 
-def _local_checkpoint(path: str) -> Path | None:
+def _local_checkpoint(job: Job) -> Path | None:
     """The checkpoint directory on this machine (a hub id not cached, a URI: None)."""
     try:
-        resolved = resolve_model_path(path)
+        return job.model.path.cached_checkpoint()
     except (ImportError, OSError, ValueError):
         return None
-    if "://" in resolved or not os.path.isdir(resolved):
-        return None
-    return Path(resolved)
-
-
-def _model_location(path: str) -> str:
-    """model.path as it names the checkpoint wherever the job is submitted from: builtins,
-    hub ids and URIs as written, local paths absolute."""
-    if is_builtin(path) or "://" in path or (is_hub_id(path) and not os.path.isdir(path)):
-        return path
-    return os.path.abspath(os.path.expanduser(path))
 
 
 def _show(value: Any) -> str:

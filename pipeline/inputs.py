@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pds
 import pyarrow.fs as pafs
 
-from pipeline.job import InputConfig, JobError, resolve_path
+from pipeline.job import InputConfig, JobError
 from pipeline.prompts import messages_problem
 from pipeline.schema import GENERATED_FIELDS, ID, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
 
@@ -46,7 +46,6 @@ class InputPlan:
     files: list[str]
     format: str  # "parquet" | "json"
     schema: pa.Schema  # the input's own columns
-    renamed: dict[str, str]  # input column -> output column (id, prompt, input_<clash>)
     num_rows: int
     keys: pa.Array  # every row's id as a string key (see id_keys), in input order
     duplicate_ids: pa.Table  # columns key (string), count (int64): ids seen more than once
@@ -79,11 +78,11 @@ def input_format(files: list[str]) -> str:
 def input_files(config: InputConfig) -> tuple[pafs.FileSystem, list[str]]:
     """The input files named by input.path (a file, a folder, a glob or a URI), sorted; a
     folder contributes its .parquet files, or its .jsonl files when it has no Parquet."""
-    path = resolve_path(config.path)
-    if "://" not in path and any(ch in path for ch in "*?["):
-        matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    where = config.path
+    if where.is_glob:
+        matches = sorted(p for p in glob.glob(where.resolved, recursive=True) if os.path.isfile(p))
         return pafs.LocalFileSystem(), matches
-    filesystem, root = pafs.FileSystem.from_uri(path if "://" in path else os.path.abspath(path))
+    filesystem, root = where.filesystem()
     info = filesystem.get_file_info(root)
     if info.type == pafs.FileType.File:
         return filesystem, [root]
@@ -123,7 +122,7 @@ def plan_input(config: InputConfig) -> InputPlan:
     """Check the input and find duplicate ids; raises JobError naming input.* keys."""
     filesystem, files = input_files(config)
     if not files:
-        raise JobError([f"input.path: no .parquet or .jsonl files at {config.path!r}"])
+        raise JobError([f"input.path: no .parquet or .jsonl files at {config.path.text!r}"])
     file_format = input_format(files)
     reader = None
     unreadable = 0
@@ -151,7 +150,6 @@ def plan_input(config: InputConfig) -> InputPlan:
     wrong_type = text_column_problem(config, schema, reader, filesystem, files)
     if wrong_type:
         raise JobError([wrong_type])
-    renamed = output_names(schema.names, config)
     limited = None
     if reader is not None:
         if config.limit is not None:
@@ -179,7 +177,6 @@ def plan_input(config: InputConfig) -> InputPlan:
         files=files,
         format=file_format,
         schema=schema,
-        renamed=renamed,
         num_rows=len(ids),
         keys=keys,
         duplicate_ids=duplicates,

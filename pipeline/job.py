@@ -10,28 +10,33 @@ reads raw dicts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    PlainValidator,
     ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from spot.builtin import builtin_drafter, is_builtin, resolve_reference
-from spot.config import CommitRule, ConfidenceName, DecodingConfig
+from pipeline.locations import GLOB_CHARACTERS, Kind, Location
+from spot.builtin import builtin_drafter
+from spot.config import CommitRule, DecodingConfig
 from spot.drafters.registry import DRAFTERS, drafter_kind
-from spot.models.hub import cached_snapshot, hub_problem, is_hub_id
+from spot.models.hub import hub_problem
 
 
 class JobError(ValueError):
@@ -46,8 +51,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _location_type(hub_id: bool) -> Any:
+    """A path key: validated into a `Location` (see pipeline.locations), written back as
+    the user wrote it."""
+
+    def parse(value: Any) -> Location:
+        return value if isinstance(value, Location) else Location.parse(value, hub_id=hub_id)
+
+    return Annotated[
+        Location, PlainValidator(parse), PlainSerializer(lambda where: where.text, return_type=str)
+    ]
+
+
+PathLocation = _location_type(hub_id=False)
+ModelLocation = _location_type(hub_id=True)  # `org/name` may be a hub id
+
+
 class InputConfig(_Section):
-    path: str = Field(
+    path: PathLocation = Field(
         description="Parquet prompts: a file, a folder, a glob, a URI (s3://, gs://, ...) or "
         "builtin:<name> for prompts shipped with the package."
     )
@@ -82,13 +103,15 @@ class InputConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field(
+    path: ModelLocation = Field(
         description="builtin:<name>, a local checkpoint directory in the family's original "
         "format, or a hub id (taken from the local cache, else downloaded by each replica); "
         "no remote code runs."
     )
-    family: Literal["sdar", "llada", "dream", "llada2"] | None = Field(
-        None, description="Architecture family; None reads it from the checkpoint's config.json."
+    family: str | None = Field(
+        None,
+        description="Architecture family (one of spot.models.registry's); None reads it from "
+        "the checkpoint's config.json.",
     )
     dtype: Literal["float32", "bfloat16", "float64"] = Field(
         "float32",
@@ -103,6 +126,13 @@ class ModelConfig(_Section):
         "the model's attention and key/value heads.",
     )
 
+    @field_validator("family")
+    @classmethod
+    def _registered_family(cls, value: str | None) -> str | None:
+        if value is not None and value not in family_names():
+            raise ValueError(f"unknown family {value!r}; one of {_one_of(family_names())}")
+        return value
+
 
 class DrafterConfig(_Section):
     kind: Literal[("none", *DRAFTERS)] = Field(
@@ -110,7 +140,7 @@ class DrafterConfig(_Section):
         description="none decodes draft-free; the others propose trees of future states that "
         "one target forward verifies (same output, fewer forwards).",
     )
-    path: str | None = Field(
+    path: PathLocation | None = Field(
         None,
         description="builtin:<name> or a drafter file; omitted with a bundled target, the "
         "bundled drafter of this kind for that target is used.",
@@ -139,96 +169,46 @@ class DrafterConfig(_Section):
         return value
 
 
-_DECODING = DecodingConfig()  # the decoding core's defaults are the job's defaults
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class DecodingSection(DecodingConfig):
+    """The job's `decoding` keys: the decoding core's own `spot.config.DecodingConfig` (its
+    fields, defaults and checks: gen_length, block_length, rule, tokens_per_step, threshold,
+    temperature, top_k, top_p, confidence, seed), and the two keys the pipeline adds around
+    the core, which sees token ids only."""
 
-
-class DecodingSection(_Section):
-    gen_length: int = Field(_DECODING.gen_length, gt=0, description="New positions per request.")
-    block_length: int = Field(
-        _DECODING.block_length,
-        gt=0,
-        description="Positions decoded together; must divide gen_length.",
-    )
-    rule: CommitRule = Field(
-        _DECODING.rule,
-        description="static commits tokens_per_step positions per step (fixed NFE); threshold "
-        "commits every position at least `threshold` confident (fewer NFE, output depends on "
-        "the threshold); sdar_dynamic is SDAR's variant of it.",
-    )
-    tokens_per_step: int = Field(
-        _DECODING.tokens_per_step,
-        gt=0,
-        description="Static commits per step; must divide block_length.",
-    )
-    threshold: float = Field(
-        _DECODING.threshold, ge=0.0, le=1.0, description="Confidence threshold."
-    )
-    temperature: float = Field(
-        _DECODING.temperature,
-        ge=0.0,
-        description="0 is greedy; > 0 samples with coupled noise keyed by the seed.",
-    )
-    top_k: int | None = Field(
-        _DECODING.top_k, gt=0, description="Sample among the k likeliest tokens."
-    )
-    top_p: float | None = Field(
-        _DECODING.top_p, gt=0.0, le=1.0, description="Nucleus sampling mass."
-    )
-    confidence: ConfidenceName | None = Field(
-        _DECODING.confidence,
-        description="Which probability ranks positions at T > 0; None follows the family "
-        "(SDAR/Dream tempered, LLaDA untempered).",
-    )
-    seed: int = Field(_DECODING.seed, ge=0, description="Job seed of the coupled noise.")
     samples_per_prompt: int = Field(
         1,
         ge=1,
         description="Completions per prompt, each with its own noise key and `sample_index` "
         "(rejection sampling, preference pairs); useful with temperature > 0.",
     )
-    stop: list[str] = Field(
-        default_factory=list,
+    stop: tuple[str, ...] = Field(
+        (),
         description="Stop strings: a completion ends just before the first one it holds "
         "(finish_reason `stop`), its token ids at the token that holds the stop's start.",
     )
 
-    @field_validator("stop")
-    @classmethod
-    def _stops_not_empty(cls, value: list[str]) -> list[str]:
-        if any(not stop for stop in value):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.seed < 0:  # a job's seed is recorded and compared as written
+            raise ValueError("seed must be >= 0")
+        if any(not stop for stop in self.stop):
             raise ValueError("stop strings must not be empty")
-        return value
-
-    @field_validator("block_length")
-    @classmethod
-    def _block_divides_generation(cls, value: int, info) -> int:
-        gen_length = info.data.get("gen_length")
-        if gen_length is not None and gen_length % value:
-            raise ValueError(f"must divide gen_length ({gen_length})")
-        return value
-
-    @field_validator("tokens_per_step")
-    @classmethod
-    def _step_divides_block(cls, value: int, info) -> int:
-        block_length = info.data.get("block_length")
-        if block_length is not None and block_length % value:
-            raise ValueError(f"must divide block_length ({block_length})")
-        return value
 
     def to_config(self) -> DecodingConfig:
         """The decoding core's own config (samples_per_prompt and stop are the pipeline's)."""
-        return DecodingConfig(
-            gen_length=self.gen_length,
-            block_length=self.block_length,
-            rule=self.rule,
-            tokens_per_step=self.tokens_per_step,
-            threshold=self.threshold,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            confidence=self.confidence,
-            seed=self.seed,
-        )
+        core = dataclasses.fields(DecodingConfig)
+        return DecodingConfig(**{field.name: getattr(self, field.name) for field in core})
+
+    @staticmethod
+    def key_of(message: str) -> str:
+        """The key a check's message names first ("seed" for "seed must be >= 0")."""
+        names = [field.name for field in dataclasses.fields(DecodingSection)]
+        named = [(match.start(), match[0]) for match in _NAME.finditer(message)]
+        return next((name for _, name in sorted(named) if name in names), "")
+
+
+_NAME = re.compile(r"[a-z_]+")
 
 
 class ResourcesConfig(_Section):
@@ -251,7 +231,7 @@ class ResourcesConfig(_Section):
 
 
 class OutputConfig(_Section):
-    path: str = Field(
+    path: PathLocation = Field(
         description="Output folder (or URI): Parquet parts under data/, summary.json and the "
         "report beside it. Submitting again to the same path resumes: ids already written "
         "are skipped."
@@ -291,21 +271,19 @@ class Job(_Section):
     cost: CostConfig = CostConfig()
 
     @model_validator(mode="after")
-    def _one_gpu_per_rank(self) -> Job:
-        degree, gpus = self.model.tensor_parallel, self.resources.num_gpus
-        if degree > 1 and gpus and gpus != degree:
+    def _sharded_replicas_fit(self) -> Job:
+        """Tensor parallel ranks run one per GPU (or all on CPU), in a dtype DeepSpeed runs."""
+        degree, gpus, dtype = self.model.tensor_parallel, self.resources.num_gpus, self.model.dtype
+        if degree == 1:
+            return self
+        from spot.models.tensor_parallel import SHARDED_DTYPES
+
+        if gpus and gpus != degree:
             raise ValueError(
                 f"resources.num_gpus: a replica of tensor_parallel {degree} runs one rank per "
                 f"GPU; set num_gpus: {degree} (or 0 on CPU), not {gpus:g}"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _sharded_dtype(self) -> Job:
-        from spot.models.tensor_parallel import SHARDED_DTYPES
-
-        degree, dtype = self.model.tensor_parallel, self.model.dtype
-        if degree > 1 and dtype not in SHARDED_DTYPES:
+        if dtype not in SHARDED_DTYPES:
             raise ValueError(
                 f"model.dtype: tensor_parallel {degree} shards with DeepSpeed, which runs "
                 f"{' or '.join(SHARDED_DTYPES)}, not {dtype}"
@@ -347,12 +325,15 @@ class Job(_Section):
         if self.drafter.kind == "none":
             return None
         if self.drafter.path is not None:
-            return resolve_path(self.drafter.path)
-        if not is_builtin(self.model.path):
+            return self.drafter.path.resolved
+        if self.model.path.kind != Kind.BUILTIN:
             raise ValueError("required unless the target is bundled (builtin:<name>)")
         return str(
             builtin_drafter(
-                self.model.path, self.drafter.kind, self.decoding.block_length, self.decoding.rule
+                self.model.path.text,
+                self.drafter.kind,
+                self.decoding.block_length,
+                self.decoding.rule,
             )
         )
 
@@ -360,27 +341,40 @@ class Job(_Section):
         """How the output's `drafter` column names the drafter."""
         if self.drafter.kind == "none":
             return "none"
-        return f"{self.drafter.kind}:{self.drafter.path or 'bundled'}"
+        path = self.drafter.path
+        return f"{self.drafter.kind}:{'bundled' if path is None else path.text}"
+
+    def portable(self) -> Job:
+        """The job with local paths made absolute, so a cluster's machines read the same
+        files."""
+
+        def section(config: _Section) -> _Section:
+            path = config.path
+            return (
+                config if path is None else config.model_copy(update={"path": path.made_portable()})
+            )
+
+        return self.model_copy(
+            update={
+                name: section(getattr(self, name))
+                for name in ("input", "model", "drafter", "output")
+            }
+        )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def resolve_path(path: str) -> str:
-    """A local or builtin path as an absolute local path; URIs unchanged."""
-    if "://" in path and not is_builtin(path):
-        return path
-    return os.path.abspath(resolve_reference(path))
+def family_names() -> list[str]:
+    """The target families of the registry (imports it, and torch, on first use)."""
+    from spot.models.registry import families
+
+    return list(families())
 
 
-def resolve_model_path(path: str) -> str:
-    """A checkpoint directory (builtin, local, or a hub id found in the local Hugging Face
-    cache), or the hub id itself when it is not cached: each replica then downloads it."""
-    local = resolve_path(path)
-    if is_builtin(path) or os.path.isdir(local) or not is_hub_id(path):
-        return local
-    cached = cached_snapshot(path)
-    return path if cached is None else str(cached)
+def _one_of(names: Sequence[str]) -> str:
+    """`a, b or c`."""
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
@@ -424,8 +418,11 @@ def _format_validation_error(error: ValidationError) -> list[str]:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             message = "missing (required)"
-        elif item["type"] == "extra_forbidden":
+        elif item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             message = "unknown key"
+        elif item["loc"] == ("decoding",) and item["type"] == "value_error":
+            key = DecodingSection.key_of(message)  # a check of the whole section
+            path = f"decoding.{key}" if key else path
         elif "input" in item and item["type"] not in ("value_error",):
             message = f"{message} (got {item['input']!r})"
         names_its_key = not item["loc"] and _KEY_PREFIX.match(message)
@@ -447,30 +444,22 @@ def parse_job(data: Any) -> Job:
 
 
 def check_paths(job: Job) -> None:
-    """Check that builtins resolve and local inputs, models and drafters exist, before any
-    Ray starts."""
+    """Check that local inputs, models and drafters exist, a hub the replicas download from
+    lists the model, and the output can be written, before any Ray starts."""
     problems = []
+    where = job.input.path
+    if where.is_local and not _glob_or_exists(where.resolved):
+        problems.append(f"input.path: no such file, folder or glob: {where.text!r}")
+    model = job.model.path
     try:
-        input_path = resolve_path(job.input.path)
-        if "://" not in input_path and not _glob_or_exists(input_path):
-            problems.append(f"input.path: no such file, folder or glob: {job.input.path!r}")
+        model_dir = model.cached_checkpoint()
     except (ImportError, OSError, ValueError) as error:
-        problems.append(f"input.path: cannot resolve {job.input.path!r}: {_reason(error)}")
-    model_dir = None
-    try:
-        model_dir = resolve_model_path(job.model.path)
-        if model_dir == job.model.path and is_hub_id(model_dir):
-            unreachable = hub_problem(model_dir)  # each replica downloads it: can they?
-            if unreachable:
-                problems.append(f"model.path: {unreachable}")
-            model_dir = None
-        elif "://" not in model_dir and not Path(model_dir, "config.json").is_file():
-            problems.append(
-                f"model.path: {job.model.path!r} is not a checkpoint directory (no config.json)"
-            )
-            model_dir = None
-    except (ImportError, OSError, ValueError) as error:
-        problems.append(f"model.path: cannot resolve {job.model.path!r}: {_reason(error)}")
+        problems.append(f"model.path: cannot resolve {model.text!r}: {_reason(error)}")
+        model_dir = None
+    else:
+        wrong = _model_problems(model, model_dir)
+        problems += wrong
+        model_dir = None if wrong else model_dir
     try:
         drafter_file = job.drafter_path()
         if drafter_file is not None and "://" not in drafter_file:
@@ -479,30 +468,36 @@ def check_paths(job: Job) -> None:
             drafter_kind(job.drafter.kind).check_file(drafter_file)
     except (ImportError, OSError, ValueError) as error:
         problems.append(f"drafter.path: {_reason(error)}")
-    if model_dir is not None and "://" not in model_dir and job.model.tensor_parallel > 1:
+    if model_dir is not None and job.model.tensor_parallel > 1:
         from spot.models.tensor_parallel import degree_problems
 
         degree = job.model.tensor_parallel
         problems += [
             f"model.tensor_parallel: {problem}"
-            for problem in degree_problems(model_dir, job.model.family, degree)
+            for problem in degree_problems(str(model_dir), job.model.family, degree)
         ]
-    if (
-        model_dir is not None
-        and "://" not in model_dir
-        and job.input.chat_template
-        and not _has_chat_template(Path(model_dir))
-    ):
+    if model_dir is not None and job.input.chat_template and not _has_chat_template(model_dir):
         problems.append(
             "input.chat_template: the model's tokenizer has no chat template; "
             "set input.chat_template: false"
         )
-    if model_dir is not None and "://" not in model_dir:
-        problems += _family_problems(job.model.family, Path(model_dir))
+    if model_dir is not None:
+        problems += _family_problems(job.model.family, model_dir)
     problems += _output_problems(job.output.path)
     problems += _gpu_problems(job)
     if problems:
         raise JobError(problems)
+
+
+def _model_problems(model: Location, model_dir: Path | None) -> list[str]:
+    """A hub id this machine has not cached that the hub cannot give, or a local path that
+    holds no checkpoint."""
+    if model.kind == Kind.HUB and model_dir is None:
+        unreachable = hub_problem(model.text)  # each replica downloads it: can they?
+        return [f"model.path: {unreachable}"] if unreachable else []
+    if model.kind != Kind.URI and not (model_dir and (model_dir / "config.json").is_file()):
+        return [f"model.path: {model.text!r} is not a checkpoint directory (no config.json)"]
+    return []
 
 
 def checkpoint_family(model_dir: Path) -> tuple[Any, str | None]:
@@ -525,7 +520,7 @@ def _family_problems(family: str | None, model_dir: Path) -> list[str]:
     if found is None and family is None:
         return [
             f"model.family: the checkpoint's config.json names no known family (model_type "
-            f"{model_type!r}); set model.family: sdar, llada, dream or llada2"
+            f"{model_type!r}); set model.family: {_one_of(family_names())}"
         ]
     if found is not None and family is not None and family != found:
         return [
@@ -536,13 +531,13 @@ def _family_problems(family: str | None, model_dir: Path) -> list[str]:
     return []
 
 
-def _output_problems(path: str) -> list[str]:
+def _output_problems(where: Location) -> list[str]:
     """output.path must be a folder this process can write in, or a path one can be made
     at: checked by creating and removing a file there (permission bits alone would pass a
     read-only mount, and every folder for root). URIs are checked when written."""
-    if "://" in path:
+    if not where.is_local:
         return []
-    local = os.path.abspath(os.path.expanduser(path))
+    path, local = where.text, where.resolved
     if os.path.lexists(local) and not os.path.isdir(local):
         return [f"output.path: {path!r} is a file, not a folder"]
     existing = local
@@ -582,7 +577,7 @@ def _reason(error: Exception) -> str:
 
 
 def _glob_or_exists(path: str) -> bool:
-    if any(ch in path for ch in "*?["):
+    if any(ch in path for ch in GLOB_CHARACTERS):
         import glob
 
         return bool(glob.glob(path, recursive=True))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,6 +25,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.inputs import id_keys
+from pipeline.locations import Location
 from pipeline.schema import ID, SAMPLE_INDEX
 
 DATA_DIR = "data"
@@ -37,12 +37,13 @@ READ_BATCH_ROWS = 65_536
 
 
 class OutputDir:
-    """Paths inside one job's output folder, on any pyarrow file system."""
+    """Paths inside one job's output folder (a location, or a path to parse as one), on any
+    pyarrow file system."""
 
-    def __init__(self, path: str):
-        uri = path if "://" in path else os.path.abspath(os.path.expanduser(path))
-        self.filesystem, self.root = pafs.FileSystem.from_uri(uri)
-        self.uri = uri
+    def __init__(self, where: Location | str):
+        where = where if isinstance(where, Location) else Location.parse(where)
+        self.filesystem, self.root = where.filesystem()
+        self.uri = where.resolved
 
     @property
     def data(self) -> str:

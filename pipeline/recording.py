@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+from ray.data import DataContext
 
-from pipeline.inputs import plan_input
+from pipeline.inputs import InputPlan
 from pipeline.job import DrafterConfig, Job
 from pipeline.output import PARTIAL_SUFFIX, OutputDir, row_keys, write_atomically
-from pipeline.runner import ray_session, replica_rows
+from pipeline.runner import ray_session, read_input
 from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
+from pipeline.stages import expand_samples, on_replicas, rows_per_block
 from spot.noise import request_key
 
 Echo = Callable[[str], None]
@@ -122,7 +124,7 @@ class RecordingActor:
             traj = record_trajectories(
                 self.engine.target, chunk, self.engine.config, size, self.hidden
             )
-            traj.meta["model"] = self.job.model.path
+            traj.meta["model"] = self.job.model.path.text
             names += [shard_name([r.key for r in chunk])] * len(chunk)
             self.folder.write(names[-1], traj.to_bytes())
         recorded = iter(names)
@@ -149,10 +151,16 @@ class RecordingResult:
 
 
 def record_job(
-    job: Job, out: str, hidden: bool, *, ray_address: str | None = None, echo: Echo = print
+    job: Job,
+    plan: InputPlan,
+    out: str,
+    hidden: bool,
+    *,
+    ray_address: str | None = None,
+    echo: Echo = print,
 ) -> RecordingResult:
-    """Record every (row, sample) of the job's input not yet in `out`, as shards."""
-    plan = plan_input(job.input)
+    """Record every (row, sample) of the job's input (`plan`: `pipeline.inputs.plan_input`)
+    not yet in `out`, as shards."""
     folder = RecordingFolder(out)
     folder.remove_partial_files()
     done = _done_rows(plan.keys, job.decoding.samples_per_prompt, folder.recorded_keys())
@@ -165,8 +173,12 @@ def record_job(
     )
     if pending:
         with ray_session(job, ray_address):
+            DataContext.get_current().print_on_execution_start = False
             actor = {"job": job, "out": out, "hidden": hidden}
-            rows = replica_rows(job, plan, done, pending, RecordingActor, actor)
+            rows = expand_samples(
+                read_input(plan), job, done=done, duplicate_ids=plan.duplicate_ids
+            )
+            rows = on_replicas(rows, job, RecordingActor, actor, rows_per_block(pending, job))
             for batch in rows.iter_batches(batch_format="pyarrow", batch_size=None):
                 for row_id, sample, shard, error in zip(
                     *(batch.column(n).to_pylist() for n in (ID, SAMPLE_INDEX, "shard", "error"))

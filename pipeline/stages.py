@@ -1,25 +1,59 @@
-"""The Ray Data stages around the model: expanding input rows into samples (skipping what is
-already written), tokenizing them and detokenizing the completions on CPUs (as Ray Data LLM
-runs its tokenize and detokenize stages), and writing part files. Importing this module
-imports no torch, so the read and write workers start fast; the text stages load their
-tokenizer in their own actors."""
+"""The Ray Data stages of generation: expanding input rows into samples (marking rows that
+cannot be generated, skipping what is already written), tokenizing them and detokenizing the
+completions on CPU actors (as Ray Data LLM runs its tokenize and detokenize stages), the
+model replicas between them, and writing part files; and how rows are cut into the blocks a
+replica takes per call. `pipeline.processor` chains them. Importing this module imports no
+torch, so the read and write workers start fast; the text stages load their tokenizer, and
+the replicas their model, in their own actors."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
+from ray.data import ActorPoolStrategy
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
-from ray.data.datasource.datasink import WriteResult
 
-from pipeline.inputs import id_keys
-from pipeline.job import Job
+from pipeline.inputs import id_keys, output_names
+from pipeline.job import InputConfig, Job
 from pipeline.output import OutputDir, row_keys, write_part
+from pipeline.progress import table_counts
 from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
+
+# Blocks are what replicas are handed and what part files hold: enough of them that every
+# replica gets work and a crash loses little, few enough that part files stay large.
+BLOCKS_PER_REPLICA = 4
+MAX_BATCHES_PER_BLOCK = 32
+# ...but no more blocks than this in one run: Ray Data keeps statistics of every block each
+# operator outputs in the driver until the run ends (ray-project/ray#66016, ~40 KB per
+# block through this pipeline), so a 50M-row job in 256-row blocks would hold ~8 GiB.
+MAX_BLOCKS_PER_RUN = 10_000
+# A replica decodes a block continuously, its batch refilled as requests finish, until the
+# block's last batch drains: at least this many batches per block keep that tail short.
+MIN_BATCHES_PER_BLOCK = 4
+# CPUs a tokenize or detokenize actor reserves (up to one of each per replica). Their work
+# is light; a fractional reservation beside the replicas could leave no node the whole CPU
+# a read or write task needs, and the job would hang without an error.
+TEXT_STAGE_CPUS = 0
+
+
+def rows_per_block(pending_rows: int | None, job: Job) -> int:
+    """Rows per block (and per replica call): BLOCKS_PER_REPLICA blocks per replica, but
+    no fewer than MIN_BATCHES_PER_BLOCK batches unless that is more than a replica's share,
+    nor more than MAX_BATCHES_PER_BLOCK batches unless the run would then exceed
+    MAX_BLOCKS_PER_RUN blocks. Rows of an unknown number: MAX_BATCHES_PER_BLOCK batches."""
+    batch, replicas = job.resources.batch_size, job.resources.replicas
+    if pending_rows is None:
+        return batch * MAX_BATCHES_PER_BLOCK
+    wanted = math.ceil(pending_rows / (replicas * BLOCKS_PER_REPLICA))
+    least = max(batch, min(batch * MIN_BATCHES_PER_BLOCK, math.ceil(pending_rows / replicas)))
+    block = min(max(wanted, least), batch * MAX_BATCHES_PER_BLOCK)
+    return max(block, math.ceil(pending_rows / MAX_BLOCKS_PER_RUN))
 
 
 class AtomicParquetDatasink(Datasink[int]):
@@ -27,31 +61,29 @@ class AtomicParquetDatasink(Datasink[int]):
 
     def __init__(self, output: OutputDir):
         self.output = output
-        self.rows_written = 0
 
     def write(self, blocks, ctx) -> int:
         return write_part(self.output, (BlockAccessor.for_block(b).to_arrow() for b in blocks))
-
-    def on_write_complete(self, write_result: WriteResult[int]) -> None:
-        self.rows_written = sum(write_result.write_returns)
 
 
 def expand_rows(
     batch: pa.Table,
     *,
-    renamed: dict[str, str],
+    config: InputConfig,
     samples: int,
-    shared: dict[str, Any],
+    done: pa.Array | None = None,
+    duplicate_ids: pa.Table | None = None,
 ) -> pa.Table:
-    """Input rows -> one row per (row, sample), rows already written dropped; marks rows
-    whose id is null or duplicated, or that could not be read, with their error before any
-    model sees them."""
-    done, duplicates = ray.get([shared["done"], shared["duplicates"]])
-    batch = batch.rename_columns([renamed[n] for n in batch.column_names])
-    keys = id_keys(batch.column(ID))
-    position = pc.index_in(keys, value_set=duplicates.column("key"))
-    counts = pc.take(duplicates.column("count"), position).to_pylist()
+    """Input rows -> one row per (row, sample), their columns named as the output names
+    them (`pipeline.inputs.output_names`), rows whose key is in `done` dropped; marks rows
+    whose id is null or in `duplicate_ids` (columns key, count: `InputPlan.duplicate_ids`),
+    or that could not be read, with their error before any model sees them."""
+    batch = batch.rename_columns(list(output_names(batch.column_names, config).values()))
     nulls = pc.is_null(batch.column(ID)).to_pylist()
+    counts = [None] * batch.num_rows
+    if duplicate_ids is not None:
+        position = pc.index_in(id_keys(batch.column(ID)), value_set=duplicate_ids.column("key"))
+        counts = pc.take(duplicate_ids.column("count"), position).to_pylist()
     errors = [
         "id is null"
         if is_null
@@ -69,10 +101,70 @@ def expand_rows(
     expanded = batch.take(rows).append_column(
         SAMPLE_INDEX, pa.array(np.tile(np.arange(samples, dtype=np.int64), batch.num_rows))
     )
-    if len(done) == 0:
+    if done is None or len(done) == 0:
         return expanded
     written = pc.is_in(row_keys(expanded.column(ID), expanded.column(SAMPLE_INDEX)), value_set=done)
     return expanded.filter(pc.invert(written))
+
+
+def _expand_shared(batch: pa.Table, *, shared: dict[str, Any], **options: Any) -> pa.Table:
+    """`expand_rows` with `done` and `duplicate_ids` from the object store (refs, or None),
+    put there once for every task."""
+    refs = {name: ref for name, ref in shared.items() if ref is not None}
+    values = dict(zip(refs, ray.get(list(refs.values())))) if refs else {}
+    return expand_rows(batch, **options, **values)
+
+
+def expand_samples(
+    dataset: ray.data.Dataset,
+    job: Job,
+    *,
+    done: pa.Array | None = None,
+    duplicate_ids: pa.Table | None = None,
+) -> ray.data.Dataset:
+    """`dataset`'s rows expanded into the job's samples (`expand_rows`)."""
+    shared = {
+        "done": None if done is None else ray.put(done),
+        "duplicate_ids": None if duplicate_ids is None else ray.put(duplicate_ids),
+    }
+    return dataset.map_batches(
+        _expand_shared,
+        batch_format="pyarrow",
+        fn_kwargs={
+            "config": job.input,
+            "samples": job.decoding.samples_per_prompt,
+            "shared": shared,
+        },
+    )
+
+
+def text_stage(job: Job) -> dict[str, Any]:
+    """Resources of a tokenize or detokenize stage: a pool of CPU actors reserving
+    TEXT_STAGE_CPUS each, one to as many as there are replicas."""
+    pool = ActorPoolStrategy(min_size=1, max_size=job.resources.replicas)
+    return {"compute": pool, "num_cpus": TEXT_STAGE_CPUS}
+
+
+def on_replicas(
+    dataset: ray.data.Dataset,
+    job: Job,
+    actor_class: type,
+    actor_kwargs: dict[str, Any],
+    block: int,
+) -> ray.data.Dataset:
+    """`dataset` cut into blocks of `block` rows, mapped a block per call by
+    `resources.replicas` actors of `actor_class(**actor_kwargs)`, each with the replica's
+    CPUs and GPUs."""
+    dataset = dataset.repartition(target_num_rows_per_block=block)
+    return dataset.map_batches(
+        actor_class,
+        batch_format="pyarrow",
+        batch_size=block,  # a block per call: the engine batches its rows itself
+        compute=ActorPoolStrategy(size=job.resources.replicas),
+        fn_constructor_kwargs=actor_kwargs,
+        num_cpus=job.resources.num_cpus,
+        num_gpus=job.resources.num_gpus,
+    )  # Ray Data's defaults restart a replica that dies and retry its batch elsewhere
 
 
 def first_key(batch: pa.Table) -> str:
@@ -120,6 +212,36 @@ class DetokenizeStage:
             if cut:
                 self.progress.report.remote(f"stop strings {first_key(batch)}", (0, 0, -cut, 0))
         return out
+
+
+class GenerationActor:
+    """One replica: builds the engine once, then maps blocks of tokenized rows to output
+    rows holding token ids (`Engine.generate_rows`). (torch is imported here, in the
+    replica: the driver never loads it.)"""
+
+    def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
+        import torch
+
+        from pipeline.engine import Engine
+
+        torch.set_num_threads(max(1, round(job.resources.num_cpus)))
+        self.engine = Engine(job)
+        self.progress = progress  # a pipeline.progress.ProgressCounter
+        self.block = ""
+        self.counts = (0, 0, 0, 0)
+        if progress is not None:
+            self.engine.on_batch = self._batch_done
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.block, self.counts = first_key(batch), (0, 0, 0, 0)
+        out = self.engine.generate_rows(batch)
+        if self.progress is not None:  # the block's rows as written replace its batches'
+            self.progress.report.remote(self.block, table_counts(out))
+        return out
+
+    def _batch_done(self, *counts: int) -> None:
+        self.counts = tuple(a + b for a, b in zip(self.counts, counts))
+        self.progress.report.remote(self.block, self.counts)
 
 
 def _total(table: pa.Table, column: str) -> int:

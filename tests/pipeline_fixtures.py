@@ -120,16 +120,45 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600):
-    """`spot-pipeline ARGS` in a subprocess from the checkout (its own embedded Ray)."""
+# run_cli(count_calls=...): the CLI, counting every call of these functions in the driver's
+# main thread (a profile hook sees them however they were imported), written as JSON
+COUNTED_CALLS = """
+import collections, json, sys
+from pipeline import fingerprint, inputs
+from pipeline.cli import main
+watched = {f.__code__: f.__name__ for f in (%s)}
+calls = collections.Counter()
+def profile(frame, event, arg):
+    if event == "call" and frame.f_code in watched:
+        calls[watched[frame.f_code]] += 1
+sys.setprofile(profile)
+try:
+    main(sys.argv[2:])
+finally:
+    sys.setprofile(None)
+    with open(sys.argv[1], "w") as out:
+        json.dump(calls, out)
+"""
+WATCHED = ("inputs.plan_input", "inputs.scan_jsonl", "fingerprint.checkpoint_identity")
+
+
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 600, count_calls: Path | None = None
+):
+    """`spot-pipeline ARGS` in a subprocess from the checkout (its own embedded Ray); with
+    `count_calls`, that file receives how often the driver called each of WATCHED."""
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[1]
     environment = {**os.environ, "PYTHONPATH": str(repo), **(env or {})}
     environment.pop("RAY_ADDRESS", None)
+    if count_calls is None:
+        command = ["-m", "pipeline.cli", *args]
+    else:
+        command = ["-c", COUNTED_CALLS % ", ".join(WATCHED), str(count_calls), *args]
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, *command],
         cwd=repo,
         env=environment,
         capture_output=True,

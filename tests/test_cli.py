@@ -77,7 +77,7 @@ def test_bad_jobs_are_rejected_before_ray_starts(job_file: Path):
     runner = CliRunner()
     result = runner.invoke(main, ["submit", str(job_file), "--set", "decoding.block_length=5"])
     assert result.exit_code == 2
-    assert "decoding.block_length: must divide gen_length (16)" in result.output
+    assert "decoding.gen_length: gen_length (16) must be a multiple of" in result.output
     result = runner.invoke(main, ["submit", str(job_file), "--set", "input.prompt_column=text"])
     assert result.exit_code == 2 and "input.prompt_column: no column 'text'" in result.output
     result = runner.invoke(main, ["validate", str(job_file), "--set", "model.path=builtin:nope"])
@@ -87,17 +87,8 @@ def test_bad_jobs_are_rejected_before_ray_starts(job_file: Path):
 
 def test_submit_then_report(job_file: Path):
     out = job_file.parent / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ADDRESS", None)
-    submit = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "submit", str(job_file)]
-        + ["--set", "decoding.samples_per_prompt=2", "--progress-interval", "2"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    samples = ("--set", "decoding.samples_per_prompt=2")
+    submit = run_cli("submit", str(job_file), *samples, "--progress-interval", "2")
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "0 already written, 12 to generate" in submit.stdout
     assert "[progress] 12/12 rows (0 errors)" in submit.stdout
@@ -116,15 +107,7 @@ def test_submit_then_report(job_file: Path):
     page = (out / "report" / "index.html").read_text()
     assert "nfe_histogram.png" in page and "<table>" in page
 
-    again = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "submit", str(job_file)]
-        + ["--set", "decoding.samples_per_prompt=2"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    again = run_cli("submit", str(job_file), *samples)
     assert again.returncode == 0 and "12 already written, 0 to generate" in again.stdout
 
 
@@ -336,31 +319,60 @@ def test_tensor_parallel_ranks_need_the_gpus_a_machine_has(job_file: Path, tmp_p
         assert result.exit_code == 0, result.output
 
 
-def test_prompt_and_messages_columns_of_another_type_are_refused(job_file: Path, tmp_path: Path):
-    numbers = write_prompts(tmp_path / "numbers.parquet", {"id": [1, 2], "prompt": [12, 34]})
-    output = _refused(job_file, "--set", f"input.path={numbers}", command="submit")
-    assert "input.prompt_column: column 'prompt' is int64, not text" in output
-    chats = write_prompts(tmp_path / "chats.parquet", {"id": [1], "chat": ['[{"role": "user"}]']})
-    output = _refused(
-        job_file, "--set", f"input.path={chats}", "--set", "input.messages_column=chat"
-    )
-    assert "input.messages_column: column 'chat' is string, not a list of {role, content}" in output
-    lines = write_jsonl(tmp_path / "numbers.jsonl", [{"id": i, "prompt": i * 11} for i in range(3)])
-    output = _refused(job_file, "--set", f"input.path={lines}")
-    assert (
-        "input.prompt_column: column 'prompt' holds no text in the first 3 rows (e.g. 0)"
-    ) in output
-    turns = write_jsonl(tmp_path / "turns.jsonl", [{"id": 1, "chat": "hello"}])
-    output = _refused(
-        job_file, "--set", f"input.path={turns}", "--set", "input.messages_column=chat"
-    )
-    assert "input.messages_column: column 'chat' holds no list of {role, content} turns" in output
-    mixed = write_jsonl(
-        tmp_path / "mixed.jsonl", [{"id": 1, "prompt": 5}, {"id": 2, "prompt": "a"}]
-    )
+@pytest.mark.parametrize(
+    ("file", "rows", "messages", "command", "expected"),
+    [
+        (
+            "numbers.parquet",
+            [{"id": 1, "prompt": 12}, {"id": 2, "prompt": 34}],
+            False,
+            "submit",
+            "input.prompt_column: column 'prompt' is int64, not text",
+        ),
+        (
+            "chats.parquet",
+            [{"id": 1, "chat": '[{"role": "user"}]'}],
+            True,
+            "validate",
+            "input.messages_column: column 'chat' is string, not a list of {role, content}",
+        ),
+        (
+            "numbers.jsonl",
+            [{"id": i, "prompt": i * 11} for i in range(3)],
+            False,
+            "validate",
+            "input.prompt_column: column 'prompt' holds no text in the first 3 rows (e.g. 0)",
+        ),
+        (
+            "turns.jsonl",
+            [{"id": 1, "chat": "hello"}],
+            True,
+            "validate",
+            "input.messages_column: column 'chat' holds no list of {role, content} turns",
+        ),
+    ],
+)
+def test_prompt_and_messages_columns_of_another_type_are_refused(
+    job_file: Path, tmp_path: Path, file, rows, messages, command, expected
+):
+    path = _input_file(tmp_path / file, rows)
+    chat = ["--set", "input.messages_column=chat"] if messages else []
+    assert expected in _refused(job_file, "--set", f"input.path={path}", *chat, command=command)
+
+
+def test_one_prompt_of_another_type_is_an_error_row_not_a_bad_job(job_file: Path, tmp_path: Path):
+    rows = [{"id": 1, "prompt": 5}, {"id": 2, "prompt": "a"}]
+    mixed = _input_file(tmp_path / "mixed.jsonl", rows)
     elsewhere = ["--set", f"input.path={mixed}", "--set", f"output.path={tmp_path / 'out'}"]
     result = CliRunner().invoke(main, ["validate", str(job_file), *elsewhere])
-    assert result.exit_code == 0, result.output  # one bad prompt is an error row, not a bad job
+    assert result.exit_code == 0, result.output
+
+
+def _input_file(path: Path, rows: list[dict]) -> Path:
+    """`rows` as JSON Lines or Parquet, as the file's name says."""
+    if path.suffix == ".jsonl":
+        return write_jsonl(path, rows)
+    return write_prompts(path, {name: [row[name] for row in rows] for name in rows[0]})
 
 
 def test_a_hub_id_the_hub_cannot_give_is_refused_without_hanging(job_file: Path, tmp_path: Path):

@@ -3,6 +3,7 @@ how a checkpoint's identity follows its files, and how an output is claimed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -31,7 +32,7 @@ def _job(root: Path, **sections):
 
 def test_what_decides_the_tokens_is_in_and_what_only_changes_speed_is_not(tmp_path: Path):
     keys = fingerprint(_job(tmp_path))
-    assert {f"decoding.{name}" for name in DecodingSection.model_fields} <= set(keys)
+    assert {f"decoding.{f.name}" for f in dataclasses.fields(DecodingSection)} <= set(keys)
     assert {"model.path", "model.checkpoint", "model.family", "model.dtype"} <= set(keys)
     assert {"input.prompt_column", "input.chat_template", "input.system_prompt"} <= set(keys)
     assert not [k for k in keys if k.startswith(("drafter.", "resources.", "cost.", "output."))]

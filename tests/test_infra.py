@@ -87,7 +87,7 @@ def test_rayjob_runs_the_cluster_spec_and_submits_the_job():
 
 def test_cluster_job_file_passes_the_job_schema():
     job = parse_job(_load("kuberay/job.yaml"))
-    assert job.input.path.startswith("s3://") and job.output.path.startswith("s3://")
+    assert job.input.path.text.startswith("s3://") and job.output.path.text.startswith("s3://")
     assert job.model.tensor_parallel > 1
     assert job.resources.num_gpus == job.model.tensor_parallel  # one GPU per rank
     cluster = _load("kuberay/raycluster.yaml")

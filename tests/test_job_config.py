@@ -10,17 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
+from pydantic import TypeAdapter
 
-from pipeline.inputs import plan_input
-from pipeline.job import (
-    DecodingSection,
-    JobError,
-    apply_overrides,
-    load_job,
-    parse_job,
-    resolve_model_path,
-    resolve_path,
-)
+from pipeline.inputs import output_names, plan_input
+from pipeline.job import DecodingSection, JobError, apply_overrides, load_job, parse_job
+from pipeline.locations import Kind, Location
 from spot.builtin import resolve_builtin
 from spot.config import CommitRule, DecodingConfig
 from spot.models.hub import is_hub_id
@@ -77,8 +71,18 @@ def test_valid_job_round_trips(files):
         ({"decoding": {"block_lenght": 4}}, "decoding.block_lenght: unknown key"),
         ({"resources": {"batch_size": "eight"}}, "resources.batch_size: "),
         ({"decoding": {"temperature": -1}}, "decoding.temperature: "),
-        ({"decoding": {"block_length": 5}}, "decoding.block_length: must divide gen_length (16)"),
-        ({"decoding": {"tokens_per_step": 3}}, "decoding.tokens_per_step: must divide"),
+        (
+            {"decoding": {"block_length": 5}},
+            "decoding.gen_length: gen_length (16) must be a multiple of block_length (5)",
+        ),
+        (
+            {"decoding": {"tokens_per_step": 3}},
+            "decoding.tokens_per_step: tokens_per_step (3) must divide block_length (4)",
+        ),
+        ({"decoding": {"seed": -1}}, "decoding.seed: seed must be >= 0"),
+        ({"decoding": {"stop": ["", "x"]}}, "decoding.stop: stop strings must not be empty"),
+        ({"decoding": {"samples_per_prompt": 0}}, "decoding.samples_per_prompt: "),
+        ({"model": {"family": "gpt"}}, "model.family: unknown family 'gpt'; one of sdar, "),
         ({"decoding": {"rule": "greedy"}}, "decoding.rule: "),
         ({"model": {"dtype": "float16"}}, "model.dtype: "),
         ({"model": {"tensor_parallel": 0}}, "model.tensor_parallel: "),
@@ -198,21 +202,34 @@ def test_decoding_defaults_are_the_core_configs():
     and the YAML keeps the rule's plain name."""
     section = DecodingSection()
     assert section.to_config() == DecodingConfig()
-    assert section.model_dump(mode="json")["rule"] == "static"
+    assert TypeAdapter(DecodingSection).dump_python(section, mode="json")["rule"] == "static"
     assert DecodingSection(rule="sdar_dynamic").rule is CommitRule.SDAR_DYNAMIC
 
 
 def test_paths_builtins_and_hub_ids_resolve_one_way(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert resolve_path("builtin:sdar-tiny") == str(resolve_builtin("sdar-tiny"))
-    assert resolve_path("s3://bucket/prompts") == "s3://bucket/prompts"
-    assert resolve_path("in/../p.parquet") == str(tmp_path / "p.parquet")
+    assert Location.parse("builtin:sdar-tiny").resolved == str(resolve_builtin("sdar-tiny"))
+    assert Location.parse("s3://bucket/prompts").resolved == "s3://bucket/prompts"
+    assert Location.parse("in/../p.parquet").resolved == str(tmp_path / "p.parquet")
     assert is_hub_id("org/model") and not is_hub_id("./org/model")
     assert not is_hub_id("/abs/model") and not is_hub_id("org/") and not is_hub_id("a/b/c")
+    assert Location.parse("org/model").kind == Kind.LOCAL  # only a model path is a hub id
     (tmp_path / "org" / "model").mkdir(parents=True)  # a local directory wins over the hub
-    assert resolve_model_path("org/model") == str(tmp_path / "org" / "model")
+    local = Location.parse("org/model", hub_id=True)
+    assert local.cached_checkpoint() == tmp_path / "org" / "model"
+    assert local.portable == str(tmp_path / "org" / "model")
     # a hub id in no local cache stays an id: each replica downloads it
-    assert resolve_model_path("no-such-org/no-such-model") == "no-such-org/no-such-model"
+    remote = Location.parse("no-such-org/no-such-model", hub_id=True)
+    assert remote.kind == Kind.HUB and remote.cached_checkpoint() is None
+    assert remote.portable == "no-such-org/no-such-model"
+    # every job path is one of these, written back as the user wrote it
+    job = job_dict("in/../p.parquet", "org/model", "builtin:prompts")
+    dumped = parse_job(job).model_dump(mode="json")
+    assert [dumped[key]["path"] for key in ("input", "model", "output")] == [
+        "in/../p.parquet",
+        "org/model",
+        "builtin:prompts",
+    ]
 
 
 def test_input_plan_checks_columns_and_finds_duplicates(files):
@@ -221,7 +238,8 @@ def test_input_plan_checks_columns_and_finds_duplicates(files):
     plan = plan_input(job.input)
     assert plan.num_rows == 3 and plan.format == "parquet"
     assert plan.duplicate_ids.to_pylist() == [{"key": "a", "count": 2}]
-    assert plan.renamed == {"id": "id", "prompt": "prompt", "completion": "input_completion"}
+    renamed = output_names(plan.schema.names, job.input)
+    assert renamed == {"id": "id", "prompt": "prompt", "completion": "input_completion"}
 
     bad = job.input.model_copy(update={"prompt_column": "question"})
     with pytest.raises(JobError) as caught:

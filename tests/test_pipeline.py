@@ -26,17 +26,14 @@ import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
+import ray
 
 from pipeline.job import Job, parse_job
 from pipeline.output import OutputDir, row_keys, write_atomically, write_part
-from pipeline.runner import (
-    MAX_BLOCKS_PER_RUN,
-    GenerationActor,
-    count_pending,
-    rows_per_block,
-    run_job,
-)
+from pipeline.processor import build_processor
+from pipeline.runner import Run, count_pending, run_job
 from pipeline.schema import GENERATED_FIELDS
+from pipeline.stages import MAX_BLOCKS_PER_RUN, GenerationActor, rows_per_block
 from pipeline.summary import Totals, histogram_percentile
 from tests.pipeline_fixtures import (
     by_key,
@@ -52,13 +49,14 @@ GOOD = 14
 BAD = 7
 SAMPLES = 2
 COMPARED = ("completion_token_ids", "nfe", "steps", "error")
+ROW_IDS = [f"r{i}" for i in range(GOOD)]
 
 
 class DiesOnceActor(GenerationActor):
     """Kills its own process on its first batch of the job (once: a marker file remembers)."""
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        marker = Path(self.engine.job.output.path + ".died")
+        marker = Path(self.engine.job.output.path.text + ".died")
         if not marker.exists():
             marker.write_text(str(os.getpid()))
             os._exit(1)
@@ -75,7 +73,7 @@ class InterruptedActor(GenerationActor):
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.calls += 1
         if self.calls == 2:
-            output = OutputDir(self.engine.job.output.path)
+            output = OutputDir(self.engine.job.output.path.text)
             deadline = time.monotonic() + 120
             while not output.part_files() and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -86,7 +84,7 @@ class InterruptedActor(GenerationActor):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pipeline")
-    ids = [f"r{i}" for i in range(GOOD)] + ["null", "empty", "blank", "long", "dup", "dup", None]
+    ids = ROW_IDS + ["null", "empty", "blank", "long", "dup", "dup", None]
     prompts = word_prompts(GOOD) + [None, "", "   ", "seven " * 400, "a", "b", "c"]
     prompts_file = write_prompts(
         root / "in" / "prompts.parquet",
@@ -124,7 +122,7 @@ def _unique(table: pa.Table) -> pa.Table:
 def sampled_one_replica(local_ray, setup):  # noqa: F811
     """T=0.8, one replica, batches of 8."""
     job = _job(setup, "t08-r1-b8", 0.8, replicas=1, batch_size=8)
-    return Path(job.output.path), run_job(job, echo=lambda line: None)
+    return Path(job.output.path.text), run_job(Run.prepare(job), echo=lambda line: None)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +130,7 @@ def greedy_with_a_death(local_ray, setup):  # noqa: F811
     """T=0, one replica, batches of 8, whose replica kills itself on its first batch; a
     reader polls the output folder meanwhile. (job, summary, rows per part seen, failures)"""
     job = _job(setup, "t0-r1-b8", 0.0, replicas=1, batch_size=8)
-    data = Path(job.output.path) / "data"
+    data = Path(job.output.path.text) / "data"
     seen: dict[str, int] = {}
     failures: list[str] = []
     stop = threading.Event()
@@ -149,7 +147,7 @@ def greedy_with_a_death(local_ray, setup):  # noqa: F811
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        summary = run_job(job, actor_class=DiesOnceActor, echo=lambda line: None)
+        summary = run_job(Run.prepare(job), actor_class=DiesOnceActor, echo=lambda line: None)
     finally:
         stop.set()
         thread.join()
@@ -238,19 +236,49 @@ def test_same_completions_whatever_replicas_and_batch_size(request, setup, tempe
         one, _ = request.getfixturevalue("sampled_one_replica")
     else:
         job, _, _, _ = request.getfixturevalue("greedy_with_a_death")
-        one = Path(job.output.path)
+        one = Path(job.output.path.text)
     two = _job(setup, f"t{temperature}-r2-b3", temperature, replicas=2, batch_size=3)
-    run_job(two, echo=lambda line: None)
+    run_job(Run.prepare(two), echo=lambda line: None)
     a = by_key(_unique(read_output(one)), *COMPARED)
-    b = by_key(_unique(read_output(Path(two.output.path))), *COMPARED)
+    b = by_key(_unique(read_output(Path(two.output.path.text))), *COMPARED)
     assert a == b
     assert len([v for v in a.values() if v[0] is not None]) == GOOD * SAMPLES
 
 
+def test_the_processor_inside_a_users_own_pipeline(setup, sampled_one_replica, tmp_path):
+    """Generation as one step of a Ray Data pipeline of the user's own: their rows under
+    their own column names, their map, the processor, their map, their write. The rows it
+    gives are the CLI run's (whatever the batch size)."""
+    job = _job(setup, "unused", 0.8, replicas=1, batch_size=3)
+    processor = build_processor(job)
+    numbered = [{"n": i, "question": q} for i, q in enumerate(word_prompts(4))]
+    rows = ray.data.from_items(numbered).map(
+        lambda row: {"id": f"r{row['n']}", "prompt": row["question"]}
+    )
+    generated = processor(rows).map(
+        lambda row: {
+            "id": row["id"],
+            "sample_index": row["sample_index"],
+            "completion_token_ids": [int(t) for t in row["completion_token_ids"]],
+            "nfe": row["nfe"],
+            "steps": row["steps"],
+            "error": row["error"],
+            "words": len(row["completion"].split()),
+        }
+    )
+    generated.write_parquet(str(tmp_path / "mine"))
+
+    mine = pq.read_table(tmp_path / "mine")
+    reference, _ = sampled_one_replica
+    expected = by_key(_unique(read_output(reference)), *COMPARED)
+    assert by_key(mine, *COMPARED) == {k: v for k, v in expected.items() if k[0] in ROW_IDS[:4]}
+    assert mine.num_rows == 4 * SAMPLES and min(mine.column("words").to_pylist()) >= 1
+
+
 def test_a_replica_that_dies_is_restarted(greedy_with_a_death):
     job, summary, _, _ = greedy_with_a_death
-    assert Path(job.output.path + ".died").exists()  # it did die
-    table = read_output(Path(job.output.path))
+    assert Path(job.output.path.text + ".died").exists()  # it did die
+    table = read_output(Path(job.output.path.text))
     by_key(_unique(table))  # every key once
     assert table.num_rows == (GOOD + BAD) * SAMPLES == summary["totals"]["rows"]
 
@@ -266,9 +294,9 @@ def test_an_interrupted_job_resumes_without_duplicates(setup, sampled_one_replic
     """The job of `sampled_one_replica`, interrupted half way, then submitted again: every
     row exactly once, and the same completions as the run that was never interrupted."""
     job = _job(setup, "resume", 0.8, replicas=1, batch_size=8)
-    out = Path(job.output.path)
+    out = Path(job.output.path.text)
     with pytest.raises(Exception, match="interrupted"):
-        run_job(job, actor_class=InterruptedActor, echo=lambda line: None)
+        run_job(Run.prepare(job), actor_class=InterruptedActor, echo=lambda line: None)
     first = read_output(out)
     assert 0 < first.num_rows < (GOOD + BAD) * SAMPLES
     kept = {p: os.path.getmtime(p) for p in OutputDir(str(out)).part_files()}
@@ -276,7 +304,7 @@ def test_an_interrupted_job_resumes_without_duplicates(setup, sampled_one_replic
     stale.write_bytes(b"PAR1 half a file")
 
     lines: list[str] = []
-    summary = run_job(job, echo=lines.append)
+    summary = run_job(Run.prepare(job), echo=lines.append)
     assert f"{first.num_rows} already written" in lines[0]
     assert not stale.exists()
     assert all(os.path.getmtime(p) == t for p, t in kept.items())  # old parts untouched
@@ -288,7 +316,8 @@ def test_an_interrupted_job_resumes_without_duplicates(setup, sampled_one_replic
     reference, _ = sampled_one_replica
     assert by_key(_unique(final), *COMPARED) == by_key(_unique(read_output(reference)), *COMPARED)
 
-    again = run_job(job, echo=lambda line: None)  # nothing left: no Ray, nothing written
+    # nothing left: no Ray, nothing written
+    again = run_job(Run.prepare(job), echo=lambda line: None)
     assert again["runs"][-1]["rows_written"] == 0 and read_output(out).num_rows == final.num_rows
     assert [r["status"] for r in again["runs"]] == ["failed", "succeeded", "succeeded"]
 
@@ -330,7 +359,7 @@ def test_resume_and_summary_never_read_prompts_completions_or_token_ids(setup, s
     and a job with two more input rows generates just those and counts everything."""
     reference, first = sampled_one_replica
     job = _job(setup, "unreadable", 0.8, replicas=1, batch_size=8)
-    out = Path(job.output.path)
+    out = Path(job.output.path.text)
     shutil.copytree(reference / "data", out / "data")
     text = ("prompt", "completion", "completion_token_ids")
     for part in OutputDir(str(out)).part_files():
@@ -339,7 +368,7 @@ def test_resume_and_summary_never_read_prompts_completions_or_token_ids(setup, s
         pq.read_table(out / "data", columns=["completion"])
 
     lines: list[str] = []
-    again = run_job(job, echo=lines.append)
+    again = run_job(Run.prepare(job), echo=lines.append)
     assert f"{first['totals']['rows']} already written, 0 to generate" in lines[0]
     assert again["totals"] == first["totals"]
 
@@ -349,7 +378,8 @@ def test_resume_and_summary_never_read_prompts_completions_or_token_ids(setup, s
     )
     bigger = setup["root"] / "more-prompts.parquet"
     pq.write_table(pa.concat_tables([source, more.cast(source.schema)]), bigger)
-    grown = run_job(_job(setup, "unreadable", 0.8, 1, 8, prompts=bigger), echo=lambda line: None)
+    grown_job = _job(setup, "unreadable", 0.8, 1, 8, prompts=bigger)
+    grown = run_job(Run.prepare(grown_job), echo=lambda line: None)
     new_rows = 2 * SAMPLES
     assert grown["runs"][-1]["rows_written"] == new_rows
     assert grown["totals"]["rows"] == first["totals"]["rows"] + new_rows

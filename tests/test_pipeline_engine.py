@@ -5,6 +5,8 @@ noise key)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pytest
 import torch
@@ -160,20 +162,26 @@ def test_same_rows_whatever_the_batch_size(engine: Engine, temperature: float):
 
 def test_job_path_of_the_model_is_recorded(engine: Engine):
     out = engine.process(_batch(["m"], word_prompts(1))).to_pylist()[0]
-    assert out["model"] == engine.job.model.path and out["drafter"] == "none"
+    assert out["model"] == engine.job.model.path.text and out["drafter"] == "none"
     assert out["seed"] == engine.config.seed
+
+
+def _untrained_spot(folder) -> Path:
+    """A SPOT drafter file of an untrained order model (poor guesses, still lossless)."""
+    from spot.drafters.files import save_order_model
+    from spot.drafters.order_model import OrderModel, OrderModelConfig
+
+    torch.manual_seed(0)
+    path = folder / "spot.safetensors"
+    model = OrderModel(OrderModelConfig(d_model=32, num_layers=1, num_heads=4, ff_size=64))
+    save_order_model(path, model, "spot", {})
+    return path
 
 
 def test_a_drafter_changes_the_forwards_not_the_completions(engine: Engine, tmp_path):
     """The engine with a SPOT drafter (an untrained order model: poor guesses, still
     lossless) writes the draft-free completions, verifying more than one state per forward."""
-    from spot.drafters.files import save_order_model
-    from spot.drafters.order_model import OrderModel, OrderModelConfig
-
-    torch.manual_seed(0)
-    drafter_file = tmp_path / "spot.safetensors"
-    model = OrderModel(OrderModelConfig(d_model=32, num_layers=1, num_heads=4, ff_size=64))
-    save_order_model(drafter_file, model, "spot", {})
+    drafter_file = _untrained_spot(tmp_path)
     data = engine.job.model_dump()
     data["drafter"] = {"kind": "spot", "path": str(drafter_file), "budget": 6}
     drafted = Engine(parse_job(data))
@@ -192,13 +200,7 @@ def _stopping_engines(engine: Engine, tmp_path) -> tuple[list[Engine], list[str]
     """A stop string that occurs early in the first row's completion, blocks before its end
     (the text of two of its tokens), and the engines without and with it, draft-free and with a
     SPOT drafter."""
-    from spot.drafters.files import save_order_model
-    from spot.drafters.order_model import OrderModel, OrderModelConfig
-
-    torch.manual_seed(0)
-    drafter_file = tmp_path / "spot.safetensors"
-    model = OrderModel(OrderModelConfig(d_model=32, num_layers=1, num_heads=4, ff_size=64))
-    save_order_model(drafter_file, model, "spot", {})
+    drafter_file = _untrained_spot(tmp_path)
     block = engine.config.block_length
     [row] = engine.process(_batch(["s0"], word_prompts(1))).to_pylist()
     ids = row["completion_token_ids"]

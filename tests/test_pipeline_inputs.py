@@ -5,6 +5,7 @@ strings; chat-input settings refused by `validate`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -41,8 +42,9 @@ def _text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _submit(job: Path, *overrides: str) -> str:
-    result = run_cli("submit", str(job), "--progress-interval", "5", *overrides)
+def _submit(job: Path, *overrides: str, count_calls: Path | None = None) -> str:
+    args = ("submit", str(job), "--progress-interval", "5", *overrides)
+    result = run_cli(*args, count_calls=count_calls)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -51,7 +53,8 @@ def _submit(job: Path, *overrides: str) -> str:
 def plain(root: Path) -> tuple[Path, list[dict]]:
     """A JSON Lines input: six prompts, a line cut short, a line that is not JSON, two prompts
     that are not strings and a carried column of mixed types; with a system prompt. Submitted
-    with input.limit 4, then without a limit: the second run resumes the first."""
+    with input.limit 4, then without a limit: the second run resumes the first (counting the
+    driver's calls into root/calls.json)."""
     lines = [{"id": i, "prompt": p, "topic": "sums"} for i, p in enumerate(word_prompts(6))]
     lines.insert(2, '{"id": 99, "prompt": "Ella has 3 app')  # line 3
     lines.insert(5, "not JSON at all")  # line 6
@@ -64,8 +67,16 @@ def plain(root: Path) -> tuple[Path, list[dict]]:
     assert checked.stdout.startswith("ok: test: 10 rows in 1 file(s), 0 duplicated id(s)")
     assert "2 row(s) cannot be read: they will be error rows" in checked.stdout
     assert "0 already written, 4 to generate" in _submit(job, "--set", "input.limit=4")
-    assert "4 already written, 6 to generate" in _submit(job)
+    resumed = _submit(job, count_calls=root / "calls.json")
+    assert "4 already written, 6 to generate" in resumed
     return prompts, _rows(root / "plain")
+
+
+def test_a_submit_reads_its_input_and_hashes_its_checkpoint_once(root, plain):
+    """The job is planned (its JSON Lines parsed) and its output claimed (the checkpoint
+    hashed for the fingerprint) once per submit, however many stages use them."""
+    calls = json.loads((root / "calls.json").read_text())
+    assert calls == {"plan_input": 1, "scan_jsonl": 1, "checkpoint_identity": 1}
 
 
 def test_json_lines_without_a_limit_keep_every_readable_row(root, plain):

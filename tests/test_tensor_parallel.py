@@ -307,7 +307,7 @@ def test_job_validation_refuses_degrees_the_model_or_resources_cannot_take(tmp_p
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_job_with_tensor_parallel_2_writes_what_tensor_parallel_1_writes(tmp_path, temperature):
     from pipeline.job import parse_job
-    from pipeline.runner import run_job
+    from pipeline.runner import Run, run_job
     from tests.pipeline_fixtures import by_key, make_tiny_sdar, read_output, word_prompts
 
     model = make_tiny_sdar(tmp_path / "model")
@@ -325,7 +325,7 @@ def test_job_with_tensor_parallel_2_writes_what_tensor_parallel_1_writes(tmp_pat
             decoding={"temperature": temperature, "seed": 4},
             resources={"replicas": 1, "batch_size": 3, "num_cpus": 1},
         )
-        run_job(parse_job(job), echo=lambda line: None)
+        run_job(Run.prepare(parse_job(job)), echo=lambda line: None)
         written[degree] = by_key(read_output(out), "completion_token_ids", "nfe", "error")
     assert written[1] == written[2]
     assert all(error is None and tokens for tokens, _, error in written[2].values())
