@@ -174,6 +174,14 @@ def test_drafter_commands_record_train_adapt_and_calibrate(tmp_path: Path):
     assert curve.steps_per_forward[0] == 1.0 <= curve.steps_per_forward[1]
 
 
+def test_train_drafter_trains_every_kind_whose_files_hold_a_network():
+    """train-drafter's kinds are the registry's that hold a network, and no other."""
+    from pipeline.drafter_training import TRAINERS
+    from spot.drafters.registry import DRAFTERS
+
+    assert set(TRAINERS) == {name for name, kind in DRAFTERS.items() if kind.network is not None}
+
+
 def test_calibrate_spot_measures_on_the_users_prompts(tmp_path: Path):
     """--prompts-file: the first --prompts rows validate, the next --eval-prompts measure
     the curve; a file with too few rows is refused, naming the option."""
