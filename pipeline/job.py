@@ -172,9 +172,22 @@ class DrafterConfig(_Section):
 @pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class DecodingSection(DecodingConfig):
     """The job's `decoding` keys: the decoding core's own `spot.config.DecodingConfig` (its
-    fields, defaults and checks: gen_length, block_length, rule, tokens_per_step, threshold,
-    temperature, top_k, top_p, confidence, seed), and the two keys the pipeline adds around
-    the core, which sees token ids only."""
+    fields, defaults and checks), and the two keys the pipeline adds around the core, which
+    sees token ids only. The core's keys:
+
+    gen_length       new positions per request
+    block_length     positions decoded together; divides gen_length
+    rule             static commits tokens_per_step positions per step (fixed NFE); threshold
+                     commits every position at least `threshold` confident (fewer NFE, the
+                     output depends on the threshold); sdar_dynamic is SDAR's variant of it
+    tokens_per_step  static commits per step; divides block_length
+    threshold        the confidence threshold
+    temperature      0 is greedy; > 0 samples with coupled noise keyed by the seed
+    top_k, top_p     sample among the k likeliest tokens, within the nucleus mass p
+    confidence       which probability ranks positions at T > 0; None follows the family
+                     (SDAR and Dream tempered, LLaDA untempered)
+    seed             the job seed of the coupled noise (at least 0)
+    """
 
     samples_per_prompt: int = Field(
         1,
@@ -366,10 +379,10 @@ class Job(_Section):
 
 
 def family_names() -> list[str]:
-    """The target families of the registry (imports it, and torch, on first use)."""
+    """The target families of the registry, sorted (imports it, and torch, on first use)."""
     from spot.models.registry import families
 
-    return list(families())
+    return sorted(families())
 
 
 def _one_of(names: Sequence[str]) -> str:

@@ -98,7 +98,7 @@ def test_cluster_job_file_passes_the_job_schema():
     # the paths the job reads are where the pods put the checkpoint
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
     mounts = {m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
-    assert any(job.model.path.startswith(m + "/") for m in mounts)
+    assert any(job.model.path.text.startswith(m + "/") for m in mounts)
 
 
 def _requires_the_secrets_token(container: dict) -> None:

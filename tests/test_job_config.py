@@ -82,7 +82,10 @@ def test_valid_job_round_trips(files):
         ({"decoding": {"seed": -1}}, "decoding.seed: seed must be >= 0"),
         ({"decoding": {"stop": ["", "x"]}}, "decoding.stop: stop strings must not be empty"),
         ({"decoding": {"samples_per_prompt": 0}}, "decoding.samples_per_prompt: "),
-        ({"model": {"family": "gpt"}}, "model.family: unknown family 'gpt'; one of sdar, "),
+        (
+            {"model": {"family": "gpt"}},
+            "model.family: unknown family 'gpt'; one of dream, llada, llada2 or sdar",
+        ),
         ({"decoding": {"rule": "greedy"}}, "decoding.rule: "),
         ({"model": {"dtype": "float16"}}, "model.dtype: "),
         ({"model": {"tensor_parallel": 0}}, "model.tensor_parallel: "),
