@@ -10,7 +10,7 @@ trap 'rm -rf "$WORK"' EXIT
 VENV=${1:-$WORK/venv}
 # the files the Dockerfile copies (its COPY lines), nothing else
 mkdir -p "$WORK/src/infra"
-cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/spot" "$ROOT/pipeline" "$ROOT/spot_factory" "$WORK/src/"
+cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/spot" "$ROOT/pipeline" "$ROOT/spot_common" "$ROOT/spot_factory" "$WORK/src/"
 cp "$ROOT/infra/install.sh" "$WORK/src/infra/"
 find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
 "${PYTHON:-python3}" -m venv "$VENV"

@@ -6,7 +6,6 @@ write a click command in its own module and name it in COMMANDS.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import traceback
@@ -14,6 +13,7 @@ import traceback
 import click
 
 from pipeline.job_options import load_or_exit, or_exit, plan_or_exit, set_option
+from spot_common.cli import LazyGroup
 
 COMMANDS = {
     "report": "pipeline.report:report_command",
@@ -23,23 +23,6 @@ COMMANDS = {
     "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",
     "calibrate-spot": "pipeline.drafter_training:calibrate_spot_command",
 }
-
-
-class LazyGroup(click.Group):
-    """A group whose commands live in modules imported on first use."""
-
-    def __init__(self, *args, lazy_commands: dict[str, str], **kwargs):
-        super().__init__(*args, **kwargs)
-        self.lazy_commands = lazy_commands
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *self.lazy_commands})
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in self.lazy_commands:
-            module, attribute = self.lazy_commands[name].split(":")
-            return getattr(importlib.import_module(module), attribute)
-        return super().get_command(ctx, name)
 
 
 @click.group(cls=LazyGroup, lazy_commands=COMMANDS)

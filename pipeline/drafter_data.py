@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.tokenizer import load_tokenizer
 from spot.builtin import resolve_builtin, resolve_reference
 from spot.decode import Request
 from spot.models.loading import DTYPES, load_target
 from spot.noise import request_key
+from spot_common.corpus import examples, read_jsonl
+from spot_common.tokenizer import load_tokenizer
 
 
 def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "cpu"):
@@ -55,8 +56,6 @@ def file_prompts(path: str | Path, count: int, skip: int = 0) -> list[dict]:
 def corpus_prompts(split: str, count: int, seed: int = 0) -> list[dict]:
     """Prompts of the bundled corpus: the train split (its stream of `seed`), or the shipped
     held-out file."""
-    from spot_factory.corpus import examples, read_jsonl
-
     if split == "heldout":
         return read_jsonl(resolve_builtin("prompts/heldout.jsonl"))[:count]
     stream = examples(seed, "train")

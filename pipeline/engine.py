@@ -43,7 +43,7 @@ from spot.tree import Layout
 def load_tokenizer(job: Job, directory: Path | None = None) -> Any:
     """The tokenizer of job.model (a hub id not yet cached is downloaded), or of its
     checkpoint `directory` when the caller found it already."""
-    from pipeline.tokenizer import load_tokenizer as load
+    from spot_common.tokenizer import load_tokenizer as load
 
     return load(directory or job.model.path.checkpoint())
 

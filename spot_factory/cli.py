@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli import LazyGroup
+from spot_common.cli import LazyGroup
 
 COMMANDS = {
     "build-corpus": "spot_factory.tokenizer:build_corpus_command",

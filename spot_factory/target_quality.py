@@ -19,7 +19,6 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline.tokenizer import load_tokenizer
 from spot.builtin import resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
@@ -27,7 +26,8 @@ from spot.models.loading import load_target
 from spot.noise import request_key
 from spot.target import Target
 from spot.tree import State
-from spot_factory.corpus import is_correct, is_well_formed, read_jsonl
+from spot_common.corpus import is_correct, is_well_formed, read_jsonl
+from spot_common.tokenizer import load_tokenizer
 from spot_factory.tokenizer import chat_prompt
 
 

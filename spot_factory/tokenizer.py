@@ -15,8 +15,8 @@ import click
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from spot.builtin import builtin_root
+from spot_common.corpus import examples, heldout_prompt_set, write_jsonl
 from spot_factory.cli import chosen_output, output_options
-from spot_factory.corpus import examples, heldout_prompt_set, write_jsonl
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -39,8 +39,8 @@ from spot.builtin import builtin_root, resolve_builtin
 from spot.models.loading import save_checkpoint as save_checkpoint_files
 from spot.models.registry import family_for
 from spot.models.transformer import Transformer, TransformerConfig
+from spot_common.corpus import examples
 from spot_factory.cli import chosen_output, output_options
-from spot_factory.corpus import examples
 from spot_factory.tokenizer import EOS, IM_END, MASK, chat_prompt
 
 

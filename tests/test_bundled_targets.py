@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.tokenizer import load_tokenizer
 from spot.builtin import builtin_targets, resolve_builtin
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
 from spot.models.loading import load_target
-from spot_factory.corpus import is_well_formed
+from spot_common.corpus import is_well_formed
+from spot_common.tokenizer import load_tokenizer
 from spot_factory.target_quality import completion_text
 from spot_factory.tokenizer import chat_prompt
 

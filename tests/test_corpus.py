@@ -9,9 +9,9 @@ import operator
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.tokenizer import load_tokenizer
 from spot.builtin import resolve_builtin
-from spot_factory import corpus
+from spot_common import corpus
+from spot_common.tokenizer import load_tokenizer
 from spot_factory.tokenizer import CHAT_TEMPLATE, MASK, chat_prompt, train_tokenizer
 
 

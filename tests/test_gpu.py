@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pipeline.drafter_data import corpus_prompts, encode
-from pipeline.tokenizer import load_tokenizer
 from spot.budget import AutoBudget, measure_forward_cost
 from spot.builtin import builtin_drafter, resolve_builtin
 from spot.config import DecodingConfig
@@ -20,6 +19,7 @@ from spot.decode import Request, generate
 from spot.drafters.registry import acceptance_curve, load_drafter
 from spot.models.loading import load_target
 from spot.models.prefix_cache import PrefixCache
+from spot_common.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -377,7 +377,7 @@ def test_real_sdar_tokenizer_chat_prompt_decodes_like_the_reference(tmp_path):
     project reads from the checkpoint are the tokenizer's `<|MASK|>`, `<|im_end|>` and
     `<|endoftext|>`; a chat prompt decodes on a tiny SDAR of the real vocabulary exactly as
     SDAR's loop decodes it, and stops at the end of the turn."""
-    from pipeline.tokenizer import load_tokenizer
+    from spot_common.tokenizer import load_tokenizer
 
     sdar_chat = reference_checkpoint("sdar-8b-chat")
     tokenizer = load_tokenizer(sdar_chat)

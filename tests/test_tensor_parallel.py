@@ -79,9 +79,9 @@ def _decoding_case(name: str, path: str):
     if name not in BUNDLED:
         return _requests, 4, 16, {"random": lambda target: RandomDrafter(seed=1)}
     from pipeline.drafter_data import corpus_prompts, encode
-    from pipeline.tokenizer import load_tokenizer
     from spot.builtin import builtin_drafter
     from spot.drafters.registry import load_drafter
+    from spot_common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(path))
     prompts = corpus_prompts("heldout", 4)

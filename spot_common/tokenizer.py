@@ -1,7 +1,6 @@
-"""Load a checkpoint directory's tokenizer the way the pipeline and the drafter commands do.
-
-Kept apart from the bundled-asset factory (`spot_factory`), which builds the bundled
-tokenizer: a job loads tokenizers, it never builds one.
+"""Load a checkpoint directory's tokenizer the way the pipeline, the drafter commands and the
+asset factory's evaluation do (the factory also builds the bundled tokenizer; loading one
+needs nothing of that).
 """
 
 from __future__ import annotations
