@@ -1,14 +1,15 @@
 """Train the bundled diffusion targets on the corpus, on CPU, and save them in their family's
-original checkpoint format.
+original checkpoint format. The family (`spot.models.registry`) says what differs: its native
+traits (`fresh_config`), its EOS order, and by its attention which objective it learns.
 
-SDAR family (block diffusion, block-causal): each training row is the clean sequence followed
+Block-causal families (SDAR; block diffusion): each training row is the clean sequence followed
 by `noised_copies` noised copies of its blocks from the one holding the end of the prompt.
 Every block of a noised copy gets its own mask ratio t ~ U(0, 1]; answer positions are masked
 with probability t (prompt positions stay clean). A noised block attends bidirectionally to
 itself and to the *clean* previous blocks, exactly what it sees at decoding time over an exact
 KV cache; clean blocks attend block-causally. Batches alternate block lengths 16 and 32.
 
-LLaDA family (bidirectional): the prompt is clean and the answer region (answer, then EOS up
+Bidirectional families (LLaDA): the prompt is clean and the answer region (answer, then EOS up
 to `gen_length`) is masked either with one ratio t ~ U(0, 1] (LLaDA's SFT objective) or, half
 of the time, semi-autoregressively as the block decoder sees it: earlier blocks clean, one block
 at ratio t, later blocks fully masked.
@@ -31,13 +32,13 @@ from typing import Literal
 import click
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from spot.builtin import builtin_root, resolve_builtin
 from spot.models.loading import save_checkpoint as save_checkpoint_files
-from spot.models.registry import family_for
+from spot.models.registry import Family, families, family_for
 from spot.models.transformer import Transformer, TransformerConfig
 from spot_common.corpus import examples
 from spot_factory.cli import chosen_output, output_options
@@ -66,13 +67,17 @@ class TrainSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    family: Literal["sdar", "llada"]
+    family: str = Field(description="a registered family that trains from scratch")
     architecture: Architecture
     block_lengths: tuple[int, ...] = Field(
         (16, 32), description="block lengths the target learns; batches cycle through them"
     )
-    noised_copies: int = Field(2, ge=1, description="SDAR: noised copies per clean sequence")
-    gen_length: int = Field(64, gt=0, description="LLaDA: answer region, answer + EOS fill")
+    noised_copies: int = Field(
+        2, ge=1, description="block-causal families: noised copies per clean sequence"
+    )
+    gen_length: int = Field(
+        64, gt=0, description="bidirectional families: answer region, answer + EOS fill"
+    )
     steps: int = Field(gt=0)
     batch_size: int = Field(gt=0)
     learning_rate: float = 2e-3
@@ -84,6 +89,18 @@ class TrainSpec(BaseModel):
     corpus_seed: int = 0
     save_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     max_position_embeddings: int = 512
+
+    @field_validator("family")
+    @classmethod
+    def _trainable(cls, name: str) -> str:
+        trainable = sorted(n for n, f in families().items() if f.fresh_traits is not None)
+        if name not in trainable:
+            raise ValueError(f"family {name!r} is not trained here; trainable: {trainable}")
+        return name
+
+    @property
+    def target_family(self) -> Family:
+        return family_for(self.family)
 
 
 PRESETS: dict[str, TrainSpec] = {
@@ -302,8 +319,7 @@ class _Rows:
 
 def native_config(spec: TrainSpec, vocab_size: int) -> TransformerConfig:
     arch = spec.architecture
-    family = spec.family
-    return TransformerConfig(
+    return spec.target_family.fresh_config(
         vocab_size=vocab_size,
         hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size,
@@ -311,10 +327,7 @@ def native_config(spec: TrainSpec, vocab_size: int) -> TransformerConfig:
         num_heads=arch.num_heads,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.hidden_size // arch.num_heads,
-        rms_norm_eps=1e-6 if family == "sdar" else 1e-5,
         rope_theta=arch.rope_theta,
-        rope_full_precision=family == "llada",
-        qk_norm=family == "sdar",
         tie_word_embeddings=arch.tie_word_embeddings,
         max_position_embeddings=spec.max_position_embeddings,
     )
@@ -390,7 +403,7 @@ def train(
         for step in range(spec.steps):
             block = spec.block_lengths[step % len(spec.block_lengths)]
             batch_rows = rows.take(spec.batch_size)
-            if spec.family == "sdar":
+            if spec.target_family.block_causal:
                 batch = sdar_batch(batch_rows, block, spec.noised_copies, ids, generator)
             else:
                 batch = llada_batch(batch_rows, spec.gen_length, spec.block_lengths, ids, generator)
@@ -429,11 +442,11 @@ def save_checkpoint(
 ) -> None:
     """The family's original layout: config.json, generation_config.json,
     model.safetensors, the tokenizer files, plus training.json and README.md."""
-    # SDAR (like Qwen chat models) lists <|im_end|> first; LLaDA's eos_token_id is <|endoftext|>
-    eos_ids = (ids.im_end, ids.eos) if spec.family == "sdar" else (ids.eos, ids.im_end)
+    family = spec.target_family
+    eos_ids = family.chat_eos_ids(ids.eos, ids.im_end)
     parameters = sum(p.numel() for p in model.parameters())
     stored = model.to(getattr(torch, spec.save_dtype))
-    save_checkpoint_files(output, family_for(spec.family), stored, ids.mask, eos_ids)
+    save_checkpoint_files(output, family, stored, ids.mask, eos_ids)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copyfile(tokenizer_dir / name, output / name)
     meta = {
@@ -453,7 +466,7 @@ def _readme(spec: TrainSpec, parameters: int, seconds: float, seen: int) -> str:
     regime = (
         "block diffusion (block-causal, exact KV cache of committed blocks), trained for "
         f"block lengths {', '.join(map(str, spec.block_lengths))}"
-        if spec.family == "sdar"
+        if spec.target_family.block_causal
         else f"bidirectional masked diffusion over a {spec.gen_length}-token answer region"
     )
     return (

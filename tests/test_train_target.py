@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
+from pydantic import ValidationError
 
 from spot.config import DecodingConfig
 from spot.decode import Request, generate
@@ -150,3 +152,9 @@ def test_train_target_command_with_overrides(tmp_path):
     meta = json.loads((out / "training.json").read_text())
     assert meta["spec"]["steps"] == 2 and meta["spec"]["batch_size"] == 2
     assert meta["spec"]["architecture"] == PRESETS["sdar-nano"].architecture.model_dump()
+
+
+def test_only_families_that_train_from_scratch_are_accepted():
+    trainable = r"'dream' is not trained here; trainable: \['llada', 'sdar'\]"
+    with pytest.raises(ValidationError, match=trainable):
+        _smoke_spec("dream")

@@ -68,6 +68,7 @@ class LLaDA(Family):
     confidence = "untempered"
     block_causal = False
     absolute_block_grid = False
+    fresh_traits = {"rms_norm_eps": 1e-5, "rope_full_precision": True}
 
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
         expected = {

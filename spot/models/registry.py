@@ -61,6 +61,9 @@ class Family:
     absolute_block_grid: bool
     logit_shift: bool = False
     opening_commit: bool = False
+    # the native traits of a model of this family trained from scratch (the asset factory's
+    # small ones), beside the shape the factory chooses; None: none is trained here
+    fresh_traits: Mapping[str, Any] | None = None
 
     # -- config.json ------------------------------------------------------------------------
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
@@ -120,6 +123,18 @@ class Family:
     def generation_config(self, eos_ids: tuple[int, ...]) -> dict[str, Any]:
         """generation_config.json written with a checkpoint."""
         return {"eos_token_id": list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]}
+
+    # -- a model trained from scratch ---------------------------------------------------------
+    def fresh_config(self, **shape: Any) -> TransformerConfig:
+        """The native architecture of a model of this family trained from scratch: `shape`
+        (sizes, rope theta, tying, positions) with the family's `fresh_traits`."""
+        if self.fresh_traits is None:
+            raise ValueError(f"no {self.name} model is trained from scratch here")
+        return TransformerConfig(**shape, **self.fresh_traits)
+
+    def chat_eos_ids(self, end_of_text: int, end_of_turn: int) -> tuple[int, ...]:
+        """The EOS ids a chat checkpoint of this family lists, in the family's order."""
+        return (end_of_text, end_of_turn)
 
 
 _FAMILIES: dict[str, Family] = {}

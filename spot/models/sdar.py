@@ -22,6 +22,7 @@ class SDAR(Family):
     confidence = "tempered"
     block_causal = True
     absolute_block_grid = True
+    fresh_traits = {"rms_norm_eps": 1e-6, "qk_norm": True}  # Qwen3's
 
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
         if raw.get("rope_scaling"):
@@ -81,6 +82,10 @@ class SDAR(Family):
             "use_sliding_window": False,
             "vocab_size": config.vocab_size,
         }
+
+    def chat_eos_ids(self, end_of_text: int, end_of_turn: int) -> tuple[int, ...]:
+        """<|im_end|> first, as the Qwen chat models list it."""
+        return (end_of_turn, end_of_text)
 
 
 SDAR_FAMILY = register(SDAR())
