@@ -4,6 +4,7 @@ the real checkpoints' parameter lists mapped onto native parameters on the meta 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from spot.models.loading import load_model, load_target, original_shapes, save_c
 from spot.models.registry import family_for
 from spot.models.sdar import SDAR_FAMILY
 from spot.models.transformer import block_causal_mask
+from tests import test_models_dream_llada2 as dream_llada2
 from tests.reference_files import reference_checkpoint
-from tests.tiny_checkpoints import EOS_IDS, MASK_ID, random_model, write_checkpoint
+from tests.tiny_checkpoints import EOS_IDS, MASK_ID, random_model, tiny_config, write_checkpoint
 
 FAMILIES = ("sdar", "llada")
 
@@ -219,3 +221,27 @@ def test_meta_load_refuses_a_foreign_key_list(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="unexpected"):
         load_model(tmp_path, device="meta")
+
+
+# (family, config.json key, a value the native model does not implement, the refusal)
+UNSUPPORTED = [
+    ("sdar", "rope_scaling", {"type": "linear", "factor": 2.0}, "SDAR rope_scaling is not"),
+    ("sdar", "use_sliding_window", True, "SDAR sliding-window attention is not supported"),
+    ("sdar", "hidden_act", "gelu", "SDAR hidden_act 'gelu' is not supported"),
+    ("dream", "rope_scaling", {"type": "linear", "factor": 2.0}, "Dream rope_scaling is not"),
+    ("dream", "use_sliding_window", True, "Dream sliding-window attention is not supported"),
+    ("dream", "hidden_act", "gelu", "Dream hidden_act 'gelu' is not supported"),
+    ("llada", "alibi", True, "LLaDA alibi=True is not supported (needs False)"),
+    ("llada2", "score_function", "softmax", "LLaDA2 score_function='softmax' is not supported"),
+    ("llada2", "rope_scaling", {"type": "linear", "factor": 2.0}, "LLaDA2 rope_scaling is not"),
+]
+
+
+@pytest.mark.parametrize(("family", "key", "value", "refusal"), UNSUPPORTED)
+def test_config_options_the_native_model_lacks_are_refused(family, key, value, refusal):
+    fam = family_for(family)
+    config = dream_llada2.tiny_config(family) if family in dream_llada2.FAMILIES else None
+    raw = fam.original_config(config or tiny_config(family), MASK_ID, EOS_IDS)
+    fam.native_config(raw)  # as written, it is read back
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        fam.native_config({**raw, key: value})

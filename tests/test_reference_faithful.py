@@ -130,6 +130,18 @@ def _exercised(results, decoded, config: DecodingConfig, heavy: bool) -> None:
         assert any(r.stats.steps * config.tokens_per_step < n for r, n in zip(results, decoded))
 
 
+def _block_rule(target, prompts, block_length: int, tokens_per_step: int, rule: str):
+    """The decoding config of a block-diffusion case and the reference's threshold: 1.0 for
+    the static rule, else the 0.7 quantile of the target's confidences (`sdar_dynamic`)."""
+    config = DecodingConfig(
+        gen_length=2 * block_length, block_length=block_length, tokens_per_step=tokens_per_step
+    )
+    if rule == "static":
+        return config, 1.0
+    threshold = _confidence_quantile(target, prompts, config, 0.7)
+    return replace(config, rule=rule, threshold=threshold), threshold
+
+
 # -- SDAR ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("block_length", "tokens_per_step"), GRID)
 @pytest.mark.parametrize("rule", ["static", "sdar_dynamic"])
@@ -137,13 +149,8 @@ def _exercised(results, decoded, config: DecodingConfig, heavy: bool) -> None:
 def test_sdar_matches_block_diffusion_generate(targets, block_length, tokens_per_step, rule, heavy):
     target = targets["sdar", heavy]
     prompts = _prompts()
-    config = DecodingConfig(
-        gen_length=2 * block_length, block_length=block_length, tokens_per_step=tokens_per_step
-    )
-    threshold = 1.0  # SDAR's evaluation loop: a threshold of 1 is the static rule
-    if rule == "sdar_dynamic":
-        threshold = _confidence_quantile(target, prompts, config, 0.7)
-        config = replace(config, rule=rule, threshold=threshold)
+    # SDAR's evaluation loop: a threshold of 1 is the static rule
+    config, threshold = _block_rule(target, prompts, block_length, tokens_per_step, rule)
     results = _decode(target, prompts, config)
     decoded = []
     for prompt, result in zip(prompts, results):
@@ -167,7 +174,7 @@ def test_sdar_matches_block_diffusion_generate(targets, block_length, tokens_per
     _exercised(results, decoded, config, heavy)
 
 
-# -- LLaDA, and Fast-dLLM's threshold rule ------------------------------------------------------
+# -- LLaDA ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("block_length", "tokens_per_step"), GRID)
 @pytest.mark.parametrize("heavy", [False, True])
 def test_llada_matches_generate(targets, block_length, tokens_per_step, heavy):
@@ -196,34 +203,6 @@ def test_llada_matches_generate(targets, block_length, tokens_per_step, heavy):
     _exercised(results, decoded, config, heavy)
 
 
-@pytest.mark.parametrize("block_length", [4, 8])
-@pytest.mark.parametrize("quantile", [0.5, 0.8])
-@pytest.mark.parametrize("heavy", [False, True])
-def test_threshold_rule_matches_fast_dllm(targets, block_length, quantile, heavy):
-    target = targets["llada", heavy]
-    prompts = _prompts()
-    config = DecodingConfig(gen_length=2 * block_length, block_length=block_length)
-    threshold = _confidence_quantile(target, prompts, config, quantile)
-    config = replace(config, rule="threshold", threshold=threshold)
-    results = _decode(target, prompts, config)
-    decoded = []
-    for prompt, result in zip(prompts, results):
-        x = ref.fast_dllm_generate(
-            target.model,
-            prompt,
-            mask_id=MASK_ID,
-            gen_length=config.gen_length,
-            block_length=block_length,
-            threshold=threshold,
-        )
-        generated = x[prompt.numel() :]
-        n = _end_of_eos_block(generated, block_length, target.eos_ids)
-        assert torch.equal(result.tokens[:n], generated[:n])
-        _assert_stopped_after(result, n, target.eos_ids)
-        decoded.append(n)
-    _exercised(results, decoded, config, heavy)
-
-
 # -- LLaDA2.0 -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("block_length", "tokens_per_step"), GRID)
 @pytest.mark.parametrize("rule", ["static", "sdar_dynamic"])
@@ -232,13 +211,8 @@ def test_llada2_matches_generate(targets, block_length, tokens_per_step, rule, h
     target = targets["llada2", heavy]
     (eos_id,) = target.eos_ids
     prompts = _prompts()
-    config = DecodingConfig(
-        gen_length=2 * block_length, block_length=block_length, tokens_per_step=tokens_per_step
-    )
-    threshold = 1.0  # nothing passes: LLaDA2.0's rule is then the static one
-    if rule == "sdar_dynamic":
-        threshold = _confidence_quantile(target, prompts, config, 0.7)
-        config = replace(config, rule=rule, threshold=threshold)
+    # a threshold of 1: nothing passes, LLaDA2.0's rule is then the static one
+    config, threshold = _block_rule(target, prompts, block_length, tokens_per_step, rule)
     results = _decode(target, prompts, config)
     decoded = []
     for prompt, result in zip(prompts, results):
@@ -266,14 +240,17 @@ def test_llada2_matches_generate(targets, block_length, tokens_per_step, rule, h
     _exercised(results, decoded, config, heavy)
 
 
-# -- Dream -----------------------------------------------------------------------------------------
+# -- Fast-dLLM's threshold rule: LLaDA's sampler, and Dream's block sampler ---------------------
+# Dream's includes the opening commit of each block's first position
+FAST_DLLM = {"llada": ref.fast_dllm_generate, "dream": ref.dream_block_generate}
+
+
+@pytest.mark.parametrize("family", sorted(FAST_DLLM))
 @pytest.mark.parametrize("block_length", [4, 8])
 @pytest.mark.parametrize("quantile", [0.5, 0.8])
 @pytest.mark.parametrize("heavy", [False, True])
-def test_dream_matches_fast_dllm_block_sampler(targets, block_length, quantile, heavy):
-    """Fast-dLLM's block sampler for Dream with its threshold algorithm, including the
-    opening commit of each block's first position."""
-    target = targets["dream", heavy]
+def test_threshold_rule_matches_fast_dllm(targets, family, block_length, quantile, heavy):
+    target = targets[family, heavy]
     prompts = _prompts()
     config = DecodingConfig(gen_length=2 * block_length, block_length=block_length)
     threshold = _confidence_quantile(target, prompts, config, quantile)
@@ -281,7 +258,7 @@ def test_dream_matches_fast_dllm_block_sampler(targets, block_length, quantile, 
     results = _decode(target, prompts, config)
     decoded = []
     for prompt, result in zip(prompts, results):
-        x = ref.dream_block_generate(
+        x = FAST_DLLM[family](
             target.model,
             prompt,
             mask_id=MASK_ID,

@@ -14,6 +14,7 @@ from spot.decode import Request, generate
 from spot.models.loading import load_target
 from spot.models.target import DiffusionTarget
 from spot.target import Window
+from tests import test_models_dream_llada2 as dream_llada2
 from tests.random_drafter import RandomDrafter
 from tests.tiny_checkpoints import EOS_IDS, MASK_ID, VOCAB, write_checkpoint
 
@@ -22,12 +23,18 @@ B = 4  # block length of the hand-made windows
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """SDAR and LLaDA in float64 and float32; Dream and LLaDA2.0 (tests of every family) in
+    float64."""
     root = tmp_path_factory.mktemp("checkpoints")
-    return {
+    written = {
         (family, dtype): write_checkpoint(root / f"{family}-{dtype}", family, 11, dtype)
         for family in ("sdar", "llada")
         for dtype in (torch.float64, torch.float32)
     }
+    for family in dream_llada2.FAMILIES:
+        directory = root / f"{family}-{torch.float64}"
+        written[family, torch.float64] = dream_llada2.write_checkpoint(directory, family, 11)
+    return written
 
 
 def _target(checkpoints, family, dtype=torch.float64) -> DiffusionTarget:
@@ -233,7 +240,7 @@ def test_generate_end_to_end(checkpoints, family, temperature):
         assert torch.equal(a.tokens, b.tokens)
 
 
-@pytest.mark.parametrize("family", ["sdar", "llada"])
+@pytest.mark.parametrize("family", ["sdar", "llada", *dream_llada2.FAMILIES])
 @pytest.mark.parametrize("rule", ["static", "threshold"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_random_drafter_is_token_identical(checkpoints, family, rule, temperature):

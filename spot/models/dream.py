@@ -48,23 +48,21 @@ EOS_ID = 151643  # <|endoftext|>, also pad and bos
 
 class Dream(Family):
     name = "dream"
+    title = "Dream"
     model_types = ("Dream",)
     architectures = ("DreamModel",)
     confidence = "tempered"
     block_causal = False
     absolute_block_grid = False
     logit_shift = True
+    default_mask_id = MASK_ID
+    default_max_length = 32768
     # Fast-dLLM's block sampler for Dream opens each block by committing its first position
     # (dream/model/generation_utils_block.py), then runs the commit rule
     opening_commit = True
 
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
-        if raw.get("rope_scaling"):
-            raise ValueError("Dream rope_scaling is not supported (only the default rope)")
-        if raw.get("use_sliding_window"):
-            raise ValueError("Dream sliding-window attention is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Dream hidden_act {raw['hidden_act']!r} is not supported")
+        self.check_qwen_options(raw)
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         if hidden % heads:
             raise ValueError("Dream needs hidden_size divisible by num_attention_heads")
@@ -120,12 +118,6 @@ class Dream(Family):
             "use_sliding_window": False,
             "vocab_size": config.vocab_size,
         }
-
-    def mask_id(self, raw: Mapping[str, Any]) -> int:
-        return int(raw.get("mask_token_id", MASK_ID))
-
-    def max_length(self, raw: Mapping[str, Any]) -> int:
-        return int(raw.get("max_position_embeddings", 32768))
 
     def extra_eos_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>",)

@@ -12,63 +12,49 @@ confidence at T>0 is the untempered softmax probability of the sampled token, an
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from spot.models.registry import Family, register
+from spot.models.registry import Family, Renames, register
 from spot.models.transformer import TransformerConfig
 
 MASK_ID = 126336
 
-# (original pattern, native pattern); layer index as {i}
-_NAMES = (
-    ("model.transformer.wte.weight", "model.embed_tokens.weight"),
-    ("model.transformer.ln_f.weight", "model.norm.weight"),
-    ("model.transformer.ff_out.weight", "lm_head.weight"),
-    ("model.transformer.blocks.{i}.q_proj.", "model.layers.{i}.self_attn.q_proj."),
-    ("model.transformer.blocks.{i}.k_proj.", "model.layers.{i}.self_attn.k_proj."),
-    ("model.transformer.blocks.{i}.v_proj.", "model.layers.{i}.self_attn.v_proj."),
-    ("model.transformer.blocks.{i}.attn_out.", "model.layers.{i}.self_attn.o_proj."),
-    ("model.transformer.blocks.{i}.ff_proj.", "model.layers.{i}.mlp.gate_proj."),
-    ("model.transformer.blocks.{i}.up_proj.", "model.layers.{i}.mlp.up_proj."),
-    ("model.transformer.blocks.{i}.ff_out.", "model.layers.{i}.mlp.down_proj."),
-    ("model.transformer.blocks.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
-    ("model.transformer.blocks.{i}.ff_norm.", "model.layers.{i}.post_attention_layernorm."),
+# (original prefix, native prefix); layer index as {i}
+_RENAMES = Renames(
+    "LLaDA",
+    (
+        ("model.transformer.wte.weight", "model.embed_tokens.weight"),
+        ("model.transformer.ln_f.weight", "model.norm.weight"),
+        ("model.transformer.ff_out.weight", "lm_head.weight"),
+        ("model.transformer.blocks.{i}.q_proj.", "model.layers.{i}.self_attn.q_proj."),
+        ("model.transformer.blocks.{i}.k_proj.", "model.layers.{i}.self_attn.k_proj."),
+        ("model.transformer.blocks.{i}.v_proj.", "model.layers.{i}.self_attn.v_proj."),
+        ("model.transformer.blocks.{i}.attn_out.", "model.layers.{i}.self_attn.o_proj."),
+        ("model.transformer.blocks.{i}.ff_proj.", "model.layers.{i}.mlp.gate_proj."),
+        ("model.transformer.blocks.{i}.up_proj.", "model.layers.{i}.mlp.up_proj."),
+        ("model.transformer.blocks.{i}.ff_out.", "model.layers.{i}.mlp.down_proj."),
+        ("model.transformer.blocks.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
+        ("model.transformer.blocks.{i}.ff_norm.", "model.layers.{i}.post_attention_layernorm."),
+    ),
+    keep_others=False,
 )
-
-
-def _rules(forward: bool) -> list[tuple[re.Pattern[str], str]]:
-    rules = []
-    for original, native in _NAMES:
-        src, dst = (original, native) if forward else (native, original)
-        pattern = re.escape(src).replace(re.escape("{i}"), r"(\d+)")
-        rules.append((re.compile("^" + pattern), dst.replace("{i}", r"\1")))
-    return rules
-
-
-_TO_NATIVE = _rules(True)
-_TO_ORIGINAL = _rules(False)
-
-
-def _rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
-    for pattern, replacement in rules:
-        renamed, count = pattern.subn(replacement, name)
-        if count:
-            return renamed
-    raise KeyError(f"unexpected LLaDA parameter {name!r}")
 
 
 class LLaDA(Family):
     name = "llada"
+    title = "LLaDA"
     model_types = ("llada",)
     architectures = ("LLaDAModelLM",)
     confidence = "untempered"
     block_causal = False
     absolute_block_grid = False
     fresh_traits = {"rms_norm_eps": 1e-5, "rope_full_precision": True}
+    default_mask_id = MASK_ID
+    max_length_key = "max_sequence_length"
+    default_max_length = 4096
 
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
         expected = {
@@ -82,9 +68,7 @@ class LLaDA(Family):
             "input_emb_norm": False,
             "scale_logits": False,
         }
-        for key, value in expected.items():
-            if raw.get(key, value) != value:
-                raise ValueError(f"LLaDA {key}={raw[key]!r} is not supported (needs {value!r})")
+        self.check_fixed(raw, expected)
         d_model, heads = int(raw["d_model"]), int(raw["n_heads"])
         multi_query = bool(raw.get("multi_query_attention"))
         kv_heads = 1 if multi_query else int(raw.get("n_kv_heads") or heads)
@@ -160,17 +144,11 @@ class LLaDA(Family):
             "weight_tying": config.tie_word_embeddings,
         }
 
-    def mask_id(self, raw: Mapping[str, Any]) -> int:
-        return int(raw.get("mask_token_id", MASK_ID))
-
-    def max_length(self, raw: Mapping[str, Any]) -> int:
-        return int(raw.get("max_sequence_length", 4096))
-
     def to_native(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {_rename(name, _TO_NATIVE): tensor for name, tensor in state.items()}
+        return {_RENAMES.to_native(name): tensor for name, tensor in state.items()}
 
     def to_original(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {_rename(name, _TO_ORIGINAL): tensor for name, tensor in state.items()}
+        return {_RENAMES.to_original(name): tensor for name, tensor in state.items()}
 
     def extra_eos_tokens(self) -> tuple[str, ...]:
         return ("<|eot_id|>",)

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from spot.models.moe import MoESpec, SparseMoE
-from spot.models.registry import Decoding, Family, register
+from spot.models.registry import Decoding, Family, Renames, register
 from spot.models.transformer import SwiGLU, Transformer, TransformerConfig
 
 MASK_ID = 156895
@@ -96,12 +96,17 @@ class LLaDA2Config(TransformerConfig):
         )
 
 
-# (original pattern, native pattern) for one-to-one names; layer index as {i}
-_NAMES = (
-    ("model.word_embeddings.weight", "model.embed_tokens.weight"),
-    ("model.layers.{i}.attention.dense.", "model.layers.{i}.self_attn.o_proj."),
-    ("model.layers.{i}.attention.query_layernorm.", "model.layers.{i}.self_attn.q_norm."),
-    ("model.layers.{i}.attention.key_layernorm.", "model.layers.{i}.self_attn.k_norm."),
+# (original prefix, native prefix) of the one-to-one names; layer index as {i}; every
+# other name but the fused, split and per-expert ones below is shared by both layouts
+_RENAMES = Renames(
+    "LLaDA2",
+    (
+        ("model.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("model.layers.{i}.attention.dense.", "model.layers.{i}.self_attn.o_proj."),
+        ("model.layers.{i}.attention.query_layernorm.", "model.layers.{i}.self_attn.q_norm."),
+        ("model.layers.{i}.attention.key_layernorm.", "model.layers.{i}.self_attn.k_norm."),
+    ),
+    keep_others=True,
 )
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.attention\.query_key_value\.(weight|bias)$")
 _SPLIT = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
@@ -109,35 +114,16 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.w
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\w+_proj)$")
 
 
-def _rules(forward: bool) -> list[tuple[re.Pattern[str], str]]:
-    rules = []
-    for original, native in _NAMES:
-        src, dst = (original, native) if forward else (native, original)
-        pattern = re.escape(src).replace(re.escape("{i}"), r"(\d+)")
-        rules.append((re.compile("^" + pattern), dst.replace("{i}", r"\1")))
-    return rules
-
-
-_TO_NATIVE = _rules(True)
-_TO_ORIGINAL = _rules(False)
-
-
-def _rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
-    """Renamed by the first matching rule; every other name is shared by both layouts."""
-    for pattern, replacement in rules:
-        renamed, count = pattern.subn(replacement, name)
-        if count:
-            return renamed
-    return name
-
-
 class LLaDA2(Family):
     name = "llada2"
+    title = "LLaDA2"
     model_types = ("llada2_moe",)
     architectures = ("LLaDA2MoeModelLM",)
     confidence = "tempered"
     block_causal = True
     absolute_block_grid = True
+    default_mask_id = MASK_ID
+    default_max_length = 16384
 
     def native_config(self, raw: Mapping[str, Any]) -> LLaDA2Config:
         fixed = {
@@ -150,11 +136,8 @@ class LLaDA2(Family):
             "using_split_qkv_in_self_attention": False,
             "use_sliding_window": False,
         }
-        for key, value in fixed.items():
-            if raw.get(key, value) != value:
-                raise ValueError(f"LLaDA2 {key}={raw[key]!r} is not supported (needs {value!r})")
-        if raw.get("rope_scaling"):
-            raise ValueError("LLaDA2 rope_scaling is not supported (only the default rope)")
+        self.check_fixed(raw, fixed)
+        self.check_default_rope(raw)
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
         rotary = int(head_dim * float(raw.get("partial_rotary_factor", 0.5)))
@@ -249,12 +232,6 @@ class LLaDA2(Family):
             "vocab_size": config.vocab_size,
         }
 
-    def mask_id(self, raw: Mapping[str, Any]) -> int:
-        return int(raw.get("mask_token_id", MASK_ID))
-
-    def max_length(self, raw: Mapping[str, Any]) -> int:
-        return int(raw.get("max_position_embeddings", 16384))
-
     def decoding(
         self, raw: Mapping[str, Any], generation: Mapping[str, Any], extra_eos: tuple[int, ...]
     ) -> Decoding:
@@ -291,7 +268,7 @@ class LLaDA2(Family):
                     # a copy of its own: a view into the fused rows would compute differently
                     native[f"model.layers.{layer}.self_attn.{part}_proj.{kind}"] = piece.clone()
             else:
-                native[_rename(name, _TO_NATIVE)] = tensor
+                native[_RENAMES.to_native(name)] = tensor
         for name, by_index in experts.items():
             if sorted(by_index) != list(range(len(by_index))):
                 raise ValueError(f"{name}: experts {sorted(by_index)} are not 0..n-1")
@@ -314,7 +291,7 @@ class LLaDA2(Family):
                     fused = torch.cat(parts)
                     original[f"model.layers.{layer}.attention.query_key_value.{kind}"] = fused
             else:
-                original[_rename(name, _TO_ORIGINAL)] = tensor
+                original[_RENAMES.to_original(name)] = tensor
         return original
 
     @staticmethod

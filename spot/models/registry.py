@@ -9,7 +9,8 @@ checkpoint's `model_type`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +50,49 @@ class Decoding:
             raise ValueError("a target needs at least one EOS id")
 
 
+class Renames:
+    """One-to-one renames of parameters between a family's original names and the native
+    ones, both ways: (original, native) prefixes with the layer index written {i}. A name no
+    pair renames is kept when the layouts share it (`keep_others`), else refused."""
+
+    def __init__(self, family: str, pairs: Sequence[tuple[str, str]], keep_others: bool):
+        self.family = family
+        self.keep_others = keep_others
+        self._to_native = self._rules(pairs, forward=True)
+        self._to_original = self._rules(pairs, forward=False)
+
+    @staticmethod
+    def _rules(pairs, forward: bool) -> list[tuple[re.Pattern[str], str]]:
+        rules = []
+        for original, native in pairs:
+            src, dst = (original, native) if forward else (native, original)
+            pattern = re.escape(src).replace(re.escape("{i}"), r"(\d+)")
+            rules.append((re.compile("^" + pattern), dst.replace("{i}", r"\1")))
+        return rules
+
+    def to_native(self, name: str) -> str:
+        return self._rename(name, self._to_native)
+
+    def to_original(self, name: str) -> str:
+        return self._rename(name, self._to_original)
+
+    def _rename(self, name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
+        """Renamed by the first matching rule."""
+        for pattern, replacement in rules:
+            renamed, count = pattern.subn(replacement, name)
+            if count:
+                return renamed
+        if self.keep_others:
+            return name
+        raise KeyError(f"unexpected {self.family} parameter {name!r}")
+
+
 class Family:
     """Base class of a checkpoint family. Subclasses set the class attributes and implement
     the config and name mappings; parameter names default to the native (Qwen) ones."""
 
     name: str  # registry key and the `model_type` it writes
+    title: str  # how messages name it
     model_types: tuple[str, ...]  # config.json `model_type` values it reads
     architectures: tuple[str, ...]  # config.json `architectures` it writes
     confidence: ConfidenceName
@@ -64,6 +103,11 @@ class Family:
     # the native traits of a model of this family trained from scratch (the asset factory's
     # small ones), beside the shape the factory chooses; None: none is trained here
     fresh_traits: Mapping[str, Any] | None = None
+    # config.json's mask id and length, and their values where the published configs omit
+    # them (None: the key is required)
+    default_mask_id: int | None = None
+    max_length_key: str = "max_position_embeddings"
+    default_max_length: int | None = None
 
     # -- config.json ------------------------------------------------------------------------
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
@@ -78,10 +122,36 @@ class Family:
         raise NotImplementedError
 
     def mask_id(self, raw: Mapping[str, Any]) -> int:
-        return int(raw["mask_token_id"])
+        if self.default_mask_id is None:
+            return int(raw["mask_token_id"])
+        return int(raw.get("mask_token_id", self.default_mask_id))
 
     def max_length(self, raw: Mapping[str, Any]) -> int:
-        return int(raw["max_position_embeddings"])
+        if self.default_max_length is None:
+            return int(raw[self.max_length_key])
+        return int(raw.get(self.max_length_key, self.default_max_length))
+
+    def check_fixed(self, raw: Mapping[str, Any], fixed: Mapping[str, Any]) -> None:
+        """Refuse a config.json key holding another value than the one the native model
+        implements (a key left out is fine)."""
+        for key, value in fixed.items():
+            if raw.get(key, value) != value:
+                raise ValueError(
+                    f"{self.title} {key}={raw[key]!r} is not supported (needs {value!r})"
+                )
+
+    def check_default_rope(self, raw: Mapping[str, Any]) -> None:
+        if raw.get("rope_scaling"):
+            raise ValueError(f"{self.title} rope_scaling is not supported (only the default rope)")
+
+    def check_qwen_options(self, raw: Mapping[str, Any]) -> None:
+        """Refuse the Qwen config options the native model implements only at their
+        defaults: rope scaling, sliding-window attention, an activation other than SiLU."""
+        self.check_default_rope(raw)
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{self.title} sliding-window attention is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{self.title} hidden_act {raw['hidden_act']!r} is not supported")
 
     # -- model and parameter names -----------------------------------------------------------
     def build(self, config: TransformerConfig) -> Transformer:

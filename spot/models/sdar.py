@@ -17,6 +17,7 @@ from spot.models.transformer import TransformerConfig
 
 class SDAR(Family):
     name = "sdar"
+    title = "SDAR"
     model_types = ("sdar",)
     architectures = ("SDARForCausalLM",)
     confidence = "tempered"
@@ -25,12 +26,7 @@ class SDAR(Family):
     fresh_traits = {"rms_norm_eps": 1e-6, "qk_norm": True}  # Qwen3's
 
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
-        if raw.get("rope_scaling"):
-            raise ValueError("SDAR rope_scaling is not supported (only the default rope)")
-        if raw.get("use_sliding_window"):
-            raise ValueError("SDAR sliding-window attention is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"SDAR hidden_act {raw['hidden_act']!r} is not supported")
+        self.check_qwen_options(raw)
         heads = int(raw["num_attention_heads"])
         return TransformerConfig(
             vocab_size=int(raw["vocab_size"]),
