@@ -87,7 +87,7 @@ def submit(
     naming that log."""
     job = load_or_exit(job_file, overrides)
     plan = plan_or_exit(job, job_file)
-    from pipeline.ray_auth import client_token_from_environment, use_loopback
+    from pipeline.ray_auth import client_token_from_environment, prepare_embedded_ray
     from pipeline.runlog import failure_reason, run_log
 
     address = None if in_cluster else address or os.environ.get("RAY_ADDRESS")
@@ -103,7 +103,7 @@ def submit(
             sys.exit(1)
         return
     if not in_cluster:
-        use_loopback()  # read by Ray when imported, just below
+        prepare_embedded_ray()  # read by Ray when imported, just below
     from pipeline.fingerprint import claim_output
     from pipeline.runner import Run, run_job
 

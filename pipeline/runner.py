@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import shlex
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,7 @@ from pipeline.job import Job
 from pipeline.output import OutputDir, row_keys
 from pipeline.processor import build_processor
 from pipeline.progress import ProgressPrinter
-from pipeline.ray_auth import private_token
+from pipeline.ray_auth import embedded_ray
 from pipeline.stages import AtomicParquetDatasink, GenerationActor
 from pipeline.summary import build_summary, output_totals
 
@@ -94,8 +93,8 @@ def read_input(plan: InputPlan) -> ray.data.Dataset:
 @contextmanager
 def ray_session(job: Job, address: str | None) -> Iterator[None]:
     """Connect to `address`, reuse a running local Ray, or start an embedded one sized so
-    the read and write tasks always find a free CPU beside the replicas, private to this run
-    (token authentication with a token made for it, see pipeline.ray_auth)."""
+    the read and write tasks always find a free CPU beside the replicas, private to this
+    process (token authentication with a token made for it, see pipeline.ray_auth)."""
     if ray.is_initialized():
         yield
         return
@@ -110,20 +109,9 @@ def ray_session(job: Job, address: str | None) -> Iterator[None]:
     # replicas are the job, and at 15 they yield the CPU to every other process on the
     # machine, the driver included.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    temp_dir = tempfile.mkdtemp(prefix="spot-ray-")
     replica_cpus = math.ceil(job.resources.replicas * job.resources.num_cpus)
-    with private_token():
-        ray.init(
-            num_cpus=max(4, replica_cpus + 2),
-            _temp_dir=temp_dir,
-            include_dashboard=False,
-            configure_logging=False,
-        )
-        try:
-            yield
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with embedded_ray(num_cpus=max(4, replica_cpus + 2)):
+        yield
 
 
 def run_job(

@@ -1,7 +1,9 @@
 """The embedded Ray of `spot-pipeline submit` is no open door, checked the way the open door
 was found: while a real job runs, other processes on this machine try to join its cluster
 with `ray.init(address=...)` and no token, at the machine's network address and at 127.0.0.1.
-Both are refused within a bounded time, the job completes, and nothing is written to ~/.ray."""
+Both are refused within a bounded time, the job completes, and nothing is written to ~/.ray.
+The same for two embedded clusters in turn in a process that imported ray first: what the
+pipeline relies on in Ray's public settings, checked wherever Ray is upgraded."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def _wait_for_gcs_port(temp: Path, job: subprocess.Popen, log: Path, seconds: fl
     """The GCS port of the job's Ray, from the session folder under the job's TMPDIR."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        ports = list(temp.glob("spot-ray-*/session_latest/gcs_server_port_*"))
+        ports = list(temp.glob("spot-ray-*/ray/session_latest/gcs_server_port_*"))
         if ports and ports[0].read_text().strip():
             return int(ports[0].read_text())
         assert job.poll() is None, log.read_text()[-3000:]
@@ -142,14 +144,77 @@ def test_a_client_without_the_token_is_refused_while_a_job_runs(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_the_token_lives_only_as_long_as_the_cluster(monkeypatch):
+def test_the_token_is_in_the_environment_only_while_a_cluster_lives(monkeypatch):
+    """One token per process (Ray keeps the first a process uses), new in every process."""
     monkeypatch.setenv(AUTH_MODE, "disabled")
     monkeypatch.delenv(AUTH_TOKEN, raising=False)
     with private_token() as first:
-        assert os.environ[AUTH_MODE] == "token" and os.environ[AUTH_TOKEN] == first
-    with private_token() as second:
-        assert second != first and len(second) == 64
+        assert os.environ[AUTH_TOKEN] == first and len(first) == 64
+        # where ray is imported already, ray.init turns token authentication on itself
+        assert os.environ.get(AUTH_MODE) == (None if "ray" in sys.modules else "token")
     assert os.environ[AUTH_MODE] == "disabled" and AUTH_TOKEN not in os.environ
+    with private_token() as second:
+        assert second == first
+    code = "from pipeline.ray_auth import private_token as p; print(p().__enter__())"
+    other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert other.returncode == 0 and len(other.stdout.strip()) == 64
+    assert other.stdout.strip() != first
+
+
+# A process that imported ray before it knew of any token starts two embedded clusters in
+# turn; while each runs, a client without the token tries to join it. Prints what happened.
+TWO_CLUSTERS = """
+import os, subprocess, sys
+import ray
+from pipeline.ray_auth import embedded_ray
+
+client, env = sys.argv[1], {**os.environ, "RAY_NUM_REDIS_GET_RETRIES": "1"}
+for run in range(2):
+    with embedded_ray(num_cpus=1):
+        print("driver ran:", ray.get(ray.remote(lambda: run).remote(), timeout=60))
+        port = ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
+        joined = subprocess.run(
+            [sys.executable, "-c", client, "127.0.0.1:" + port],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        print(joined.stdout.strip(), "(InvalidAuthToken)" * ("InvalidAuthToken" in joined.stderr))
+print("after:", os.environ.get("RAY_AUTH_MODE"), "RAY_AUTH_TOKEN" in os.environ)
+"""
+
+
+def test_each_embedded_cluster_of_a_process_refuses_clients_without_the_token(tmp_path):
+    """What the embedded clusters rely on in Ray (pinned in pyproject.toml): with ray imported
+    under RAY_AUTH_MODE=disabled, `ray.init` of a new local cluster with the mode unset turns
+    token authentication on and takes RAY_AUTH_TOKEN, for a second cluster of the process as
+    well; RAY_TMPDIR holds its files; ~/.ray stays untouched."""
+    home, temp = tmp_path / "home", Path(tempfile.mkdtemp(prefix="auth-", dir="/tmp"))
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home), "TMPDIR": str(temp)}
+    env.update({AUTH_MODE: "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    env.pop(AUTH_TOKEN, None)
+    env.pop("RAY_ADDRESS", None)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", TWO_CLUSTERS, CLIENT],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = run.stdout.strip().splitlines()
+        assert lines == [
+            "driver ran: 0",
+            "refused: ConnectionError (InvalidAuthToken)",
+            "driver ran: 1",
+            "refused: ConnectionError (InvalidAuthToken)",
+            "after: disabled False",
+        ], run.stdout + run.stderr[-3000:]
+        assert not (home / ".ray").exists()
+        assert not list(temp.glob("spot-ray-*"))  # each cluster's files are gone
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_submit_help_says_where_a_clusters_token_comes_from():
