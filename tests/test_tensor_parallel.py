@@ -3,7 +3,9 @@
 float32 (what a user runs: DeepSpeed shards float32 and bfloat16, never float64), at T=0 and
 T>0, draft-free and with drafters (a random one whose many windows per request exercise the
 mirrored contexts, and the bundled SPOT drafter), for every native family and the bundled
-targets; float64 and a degree that does not divide the heads are refused.
+targets; float64 and a degree that does not divide the heads are refused. A failure every
+rank meets is rank 0's to raise, the group going on; one rank's failure alone stops the group
+with that rank's error.
 
 The sharded runs happen in a child process (rank 0) that spawns rank 1, so the test process
 never joins a process group."""
@@ -16,6 +18,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +38,9 @@ from spot.models.tensor_parallel import (
     ModelSpec,
     ShardedTarget,
     TensorParallelGroup,
+    _Ledger,
     _Load,
+    _Score,
     degree_problems,
     grain_size,
     row_parallel_names,
@@ -208,6 +213,7 @@ class Loopback:
         self.spec = GroupSpec(degree=2)
         self.follower = follower
         self.sent: list = []
+        self.ledger = _Ledger([], {}, self.spec.failure_skew)  # no other rank to hear from
 
     def send(self, command) -> None:
         self.sent.append(command)
@@ -246,6 +252,126 @@ def test_followers_mirror_rank_0_contexts_through_its_commands(tmp_path, family)
         for mine, theirs in zip(context.local.keys, mirror.keys):
             assert torch.equal(mine, theirs)
     assert sum(len(c.windows) for c in channel.sent[1:]) > len(channel.sent) - 1  # trees
+
+
+class _FailsOnce:
+    """A follower's target whose first score fails (its own out-of-memory)."""
+
+    def __init__(self):
+        self.scores = 0
+
+    def open(self, prompt, total_length):
+        return prompt
+
+    def score(self, contexts, windows, block_length, output_hidden):
+        self.scores += 1
+        if self.scores == 1:
+            raise MemoryError("out of memory")
+
+
+def _score(after_failure: bool) -> _Score:
+    window = Window(0, torch.zeros(4, dtype=torch.long))
+    return _Score(
+        0, [(0, torch.ones(3, dtype=torch.long), 8)], [], [0], [window], 4, False, after_failure
+    )
+
+
+def test_a_follower_notes_its_failure_and_goes_on_only_if_rank_0_failed_too():
+    noted = []
+    follower = Follower(lambda model: _FailsOnce(), lambda *note: noted.append(note))
+    follower.apply(_Load(0, ModelSpec("unused")))
+    follower.apply(_score(after_failure=False))
+    assert noted == [(1, "MemoryError: out of memory")]
+    with pytest.raises(RuntimeError, match="score 1 failed here alone: MemoryError"):
+        follower.apply(_score(after_failure=False))  # rank 0 did not fail it
+    follower.apply(_score(after_failure=True))  # it did: the input's failure, go on
+    assert follower.scores == 2 and follower.failure is None
+
+
+def test_rank_0_tells_a_failure_every_rank_met_from_one_rank_alone():
+    """The watchdog's decisions, on a real pipe: a failure rank 0 met too is settled (rank 0
+    raises it); one rank 0 did not meet is a rank alone, at once when rank 0 finished that
+    score, after `failure_skew` while rank 0 is still in it (waiting in a collective)."""
+    read, write = os.pipe()
+    ledger = _Ledger([], {1: read}, skew=0.3)
+
+    def note(score: int, error: str) -> None:
+        os.write(write, (json.dumps({"score": score, "error": error}) + "\n").encode())
+        ledger.read_notes()
+
+    both = ledger.start()
+    note(both, "MemoryError: on every rank")
+    ledger.failed(both, "MemoryError: on every rank")  # returns: rank 1 met it too
+    assert ledger.last_failed and ledger.alone() is None
+    still_running = ledger.start()
+    note(still_running, "MemoryError: rank 1 alone")
+    assert ledger.alone() is None  # rank 0 may yet meet it
+    time.sleep(0.4)
+    assert ledger.alone() == (1, "MemoryError: rank 1 alone")
+    ledger = _Ledger([], {1: read}, skew=60.0)  # rank 0 finishes a score rank 1 then fails
+    ledger.succeeded(ledger.start())
+    note(1, "RuntimeError: after the last all-reduce")
+    assert ledger.alone() == (1, "RuntimeError: after the last all-reduce")
+
+
+FAULTS = ROOT / "tests" / "tensor_parallel_faults"  # its sitecustomize injects the failures
+
+
+def drive_failures(checkpoint: str, plan_file: str, out_file: str) -> None:
+    """Rank 0 of a 2-rank group (run in a child process, failures injected by FAULTS): a
+    forward that fails on both ranks, decoding again, then a forward that fails on rank 1
+    alone, which ends this process."""
+    import sitecustomize
+
+    plan, out = Path(plan_file), Path(out_file)
+    group = TensorParallelGroup(GroupSpec(degree=2, failure_skew=5.0))
+    sharded = group.load(ModelSpec(checkpoint, None, "float32"))
+    # the second layer of the next forward (every rank runs the same layers), on both ranks
+    plan.write_text(json.dumps({"0": [sitecustomize.calls + 2], "1": [sitecustomize.calls + 2]}))
+    config = DecodingConfig(gen_length=16, block_length=4, temperature=0.8, seed=3)
+    report = {}
+    try:
+        generate(sharded, _requests(), config)
+    except MemoryError as error:
+        report["both"] = str(error)
+    report["after"] = _tokens(generate(sharded, _requests(), config))
+    out.write_text(json.dumps(report))
+    plan.write_text(json.dumps({"1": [sitecustomize.calls + 2]}))  # now on rank 1 alone
+    generate(sharded, _requests(), config)  # rank 1 fails: the group stops, this process ends
+    out.write_text(json.dumps({**report, "alone": "decoded"}))
+
+
+@pytest.mark.slow  # ~20 s, and DeepSpeed compiles its CPU all-reduce op on first use (~2.5 min)
+def test_a_failure_on_one_rank_alone_stops_the_group_with_its_error(tmp_path):
+    """With real DeepSpeed ranks on gloo: a failure every rank meets is the input's (rank 0
+    raises it, and the group decodes exactly as before); one that rank 1 meets alone, while
+    rank 0 waits for it in an all-reduce, stops the group with rank 1's error."""
+    checkpoint = str(write_checkpoint(tmp_path / "sdar", "sdar"))
+    config = DecodingConfig(gen_length=16, block_length=4, temperature=0.8, seed=3)
+    expected = _tokens(generate(load_target(checkpoint, dtype=torch.float32), _requests(), config))
+    plan, out = tmp_path / "faults.json", tmp_path / "report.json"
+    code = (
+        "import sys; from tests.test_tensor_parallel import drive_failures; "
+        "drive_failures(*sys.argv[1:])"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPOT_TEST_TP_FAULTS": str(plan)}
+    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT)])
+    run = subprocess.run(
+        [sys.executable, "-c", code, checkpoint, str(plan), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(out.read_text())
+    assert report["both"].startswith("rank 0 ran out of memory in layer call ")
+    assert report["after"] == expected
+    assert "alone" not in report
+    assert run.returncode == 70, run.stderr[-3000:]
+    stopped = run.stderr.strip().splitlines()[-1]
+    assert stopped.startswith("tensor-parallel rank 1 failed: MemoryError: rank 1 ran out of")
+    assert stopped.endswith("; stopping the group")
 
 
 def test_degree_must_divide_heads_and_key_value_heads(tmp_path):

@@ -26,6 +26,14 @@ Why ranks spawned by the replica rather than a placement group of rank actors pe
 The price: Ray does not account the ranks as separate workers (the replica's `num_cpus`
 covers all of them), and a replica cannot span nodes, which TP should not do anyway.
 
+A failure inside a mirrored `score` is the input's when every rank meets it (the same point of
+the same forward, inputs being equal): rank 0 raises it and the group goes on. Any other
+stops the group with the failed rank's error (rank 0 prints it and exits, as when a rank
+dies): a rank left alone waits in a collective forever, and one whose state differs would
+compute wrong shards. Ranks 1..N-1 note their failures on a pipe to rank 0, whose watchdog
+decides: rank 0 finished that score, or did not within `GroupSpec.failure_skew` seconds of
+the note (it waits in a collective), means the failed rank was alone. Success costs nothing.
+
 Process settings per rank: LOCAL_SIZE = N (DeepSpeed's shared-memory all-reduce segfaults in
 the first forward without it), OMP_NUM_THREADS = the replica's CPUs / N (at least 1;
 oversubscribed threads make CPU ranks many times slower), DS_ACCELERATOR=cpu and gloo on
@@ -39,6 +47,7 @@ import json
 import logging
 import math
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -75,12 +84,15 @@ class GroupSpec:
     """The ranks of one replica.
 
     degree: number of ranks; device: "cpu" (gloo) or "cuda" (nccl, one GPU per rank);
-    threads: torch threads per rank.
+    threads: torch threads per rank; failure_skew: seconds rank 0 gives every rank to meet a
+    failure of a score that one rank met (ranks run the same forward in step, so a failure of
+    the input meets them all within moments of each other).
     """
 
     degree: int
     device: str = "cpu"
     threads: int = 1
+    failure_skew: float = 30.0
 
     def __post_init__(self) -> None:
         if self.degree < 2:
@@ -89,6 +101,8 @@ class GroupSpec:
             raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")
+        if self.failure_skew <= 0:
+            raise ValueError("failure_skew must be positive")
 
 
 @dataclass(frozen=True)
@@ -265,6 +279,7 @@ class _Score:
     windows: list[Window]
     block_length: int
     output_hidden: bool
+    after_failure: bool  # rank 0's previous score failed, on every rank
 
 
 class ShardedContext:
@@ -330,9 +345,20 @@ class ShardedTarget:
             cpu_windows,
             block_length,
             output_hidden,
+            self.group.ledger.last_failed,
         )
         self.group.send(command)
-        return self.local.score([c.local for c in contexts], windows, block_length, output_hidden)
+        ledger = self.group.ledger
+        number = ledger.start()
+        try:
+            scores = self.local.score(
+                [c.local for c in contexts], windows, block_length, output_hidden
+            )
+        except Exception as error:
+            ledger.failed(number, f"{type(error).__name__}: {error}")
+            raise
+        ledger.succeeded(number)
+        return scores
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding is not sharded; rank 0 answers alone."""
@@ -352,21 +378,24 @@ class TensorParallelGroup:
         os.environ.update(rank_environment(spec, 0, self.port))
         if spec.device == "cpu":
             _build_cpu_all_reduce()  # once, here, before the children would race for it
-        self.children = [self._spawn(rank) for rank in range(1, spec.degree)]
+        notes = {rank: os.pipe() for rank in range(1, spec.degree)}  # (read, write) ends
+        self.children = [self._spawn(rank, notes[rank][1]) for rank in notes]
+        for _, write in notes.values():
+            os.close(write)
+        pipes = {rank: read for rank, (read, _) in notes.items()}
+        self.ledger = _Ledger(self.children, pipes, spec.failure_skew)
         self._closing = threading.Event()
-        threading.Thread(
-            target=_exit_if_a_child_dies, args=(self.children, self._closing), daemon=True
-        ).start()
+        threading.Thread(target=_watch, args=(self.ledger, self._closing), daemon=True).start()
         self.ranks = _Ranks(spec, 0)
         self._closed = False
         weakref.finalize(self, _abandon, self.children, self._closing)  # never closed
 
-    def _spawn(self, rank: int) -> subprocess.Popen:
+    def _spawn(self, rank: int, notes: int) -> subprocess.Popen:
         env = {**os.environ, **rank_environment(self.spec, rank, self.port)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         module = "spot.models.tensor_parallel"
-        command = [sys.executable, "-m", module, json.dumps(asdict(self.spec))]
-        return subprocess.Popen([*command, str(rank)], env=env)
+        command = [sys.executable, "-m", module, json.dumps(asdict(self.spec)), str(rank)]
+        return subprocess.Popen([*command, str(notes)], env=env, pass_fds=(notes,))
 
     def send(self, command: Any) -> None:
         self.ranks.broadcast(command)
@@ -397,20 +426,112 @@ class TensorParallelGroup:
             torch.distributed.destroy_process_group()
 
 
-def _exit_if_a_child_dies(children: list[subprocess.Popen], closing: threading.Event) -> None:
-    """A rank that died leaves the others blocked in a collective forever: end this process
-    too (a Ray replica is then restarted with fresh ranks)."""
-    while not closing.wait(0.5):
-        for child in children:
+class _Ledger:
+    """Rank 0's account of the mirrored scores: its own outcome of each, and the failures
+    the other ranks note on their pipes. Shared by rank 0's thread and its watchdog."""
+
+    def __init__(self, children: list[subprocess.Popen], pipes: dict[int, int], skew: float):
+        self.children = children
+        self.pipes = pipes  # rank -> read end of its notes
+        self.skew = skew  # GroupSpec.failure_skew
+        self.partial = {rank: b"" for rank in pipes}
+        self.changed = threading.Condition()
+        self.sent = 0  # scores started on every rank
+        self.running: int | None = None  # the score rank 0 computes now
+        self.done = 0  # rank 0's last score with an outcome
+        self.last_failed = False  # ... and whether it failed
+        self.notes: dict[int, dict[int, tuple[float, str]]] = {}  # score -> rank -> (when, error)
+
+    def start(self) -> int:
+        with self.changed:
+            self.sent += 1
+            self.running = self.sent
+            return self.sent
+
+    def succeeded(self, number: int) -> None:
+        """A score rank 0 finished: every other rank must have finished it too."""
+        with self.changed:
+            self.running, self.done, self.last_failed = None, number, False
+            noted = self.notes.get(number)
+        if noted:
+            rank, (_, error) = min(noted.items())
+            _stop(self.children, f"tensor-parallel rank {rank} failed: {error}")
+
+    def failed(self, number: int, error: str) -> None:
+        """A score rank 0 failed: returns when every other rank noted a failure of it too
+        (the input's, rank 0 raises it); otherwise stops the group with rank 0's error."""
+        ranks = set(self.pipes)
+        with self.changed:
+            self.running = None  # settled here, not by the watchdog
+            met = self.changed.wait_for(
+                lambda: ranks <= set(self.notes.get(number, {})), timeout=self.skew
+            )
+            self.done, self.last_failed = number, True
+            if met:
+                del self.notes[number]  # settled: every rank goes on
+        if not met:
+            _stop(self.children, f"tensor-parallel rank 0 failed: {error}")
+
+    def read_notes(self) -> None:
+        """What the other ranks have noted since the last call."""
+        ready, _, _ = select.select(list(self.pipes.values()), [], [], 0)
+        for rank, pipe in self.pipes.items():
+            if pipe not in ready:
+                continue
+            self.partial[rank] += os.read(pipe, 65536)
+            *lines, self.partial[rank] = self.partial[rank].split(b"\n")
+            with self.changed:
+                for line in lines:
+                    note = json.loads(line)
+                    failures = self.notes.setdefault(note["score"], {})
+                    failures[rank] = (time.monotonic(), note["error"])
+                self.changed.notify_all()
+
+    def failures_of(self, rank: int) -> list[str]:
+        with self.changed:
+            return [n[rank][1] for _, n in sorted(self.notes.items()) if rank in n]
+
+    def alone(self) -> tuple[int, str] | None:
+        """A rank whose failure rank 0 did not meet: rank 0 finished that score, or has not
+        within `skew` seconds of the note (it waits in a collective for that rank). A
+        failure rank 0 met too is its to settle (`failed`)."""
+        with self.changed:
+            for number, noted in sorted(self.notes.items()):
+                rank, (when, error) = min(noted.items())
+                if number == self.done and self.last_failed:
+                    continue
+                finished = number <= self.done
+                stuck = self.running == number and time.monotonic() - when > self.skew
+                if finished or stuck:
+                    return rank, error
+        return None
+
+
+def _watch(ledger: _Ledger, closing: threading.Event) -> None:
+    """A rank that died, or failed alone, leaves the others blocked in a collective forever
+    (or computing on shards that no longer match): end this process too, saying which rank
+    failed and why (a Ray replica is then restarted with fresh ranks)."""
+    while not closing.wait(0.1):
+        ledger.read_notes()
+        for rank, child in enumerate(ledger.children, start=1):
             if child.poll() is not None and not closing.is_set():
-                print(
-                    f"tensor-parallel rank (pid {child.pid}) exited with code "
-                    f"{child.returncode}; stopping rank 0",
-                    file=sys.stderr,
-                    flush=True,
+                ledger.read_notes()
+                noted = ledger.failures_of(rank)
+                why = f"; it failed: {noted[-1]}" if noted else ""
+                _stop(
+                    ledger.children,
+                    f"tensor-parallel rank {rank} (pid {child.pid}) exited with code "
+                    f"{child.returncode}{why}",
                 )
-                _kill_processes(children)
-                os._exit(70)
+        if (alone := ledger.alone()) is not None:
+            rank, error = alone
+            _stop(ledger.children, f"tensor-parallel rank {rank} failed: {error}")
+
+
+def _stop(children: list[subprocess.Popen], why: str) -> None:
+    print(f"{why}; stopping the group", file=sys.stderr, flush=True)
+    _kill_processes(children)
+    os._exit(70)
 
 
 def _abandon(children: list[subprocess.Popen], closing: threading.Event) -> None:
@@ -449,16 +570,26 @@ class Follower:
     """A rank other than 0: its own shards of rank 0's targets and copies of its contexts,
     kept identical by applying rank 0's commands in order."""
 
-    def __init__(self, load: Callable[[ModelSpec], Any]):
+    def __init__(
+        self, load: Callable[[ModelSpec], Any], note: Callable[[int, str], None] | None = None
+    ):
         self.load = load
+        self.note = note  # (score number, error): tells rank 0 of a failure
         self.targets: dict[int, Any] = {}
         self.contexts: dict[int, dict[int, Any]] = {}  # target -> context id -> context
+        self.scores = 0  # mirrored scores so far, numbered as rank 0 numbers them
+        self.failure: str | None = None  # how the last one failed here
 
     def apply(self, command: _Load | _Score) -> None:
         if isinstance(command, _Load):
             self.targets[command.target] = self.load(command.model)
             self.contexts[command.target] = {}
             return
+        if self.failure is not None and not command.after_failure:
+            # rank 0 did not fail the score this rank failed: their states differ
+            raise RuntimeError(f"score {self.scores} failed here alone: {self.failure}")
+        self.scores += 1
+        self.failure = None
         target, held = self.targets[command.target], self.contexts[command.target]
         for ident, prompt, total_length in command.opened:
             held[ident] = target.open(prompt, total_length)
@@ -471,17 +602,25 @@ class Follower:
                 command.block_length,
                 command.output_hidden,
             )
-        except Exception:
-            # rank 0 runs the same call on the same inputs and reports the same error
+        except Exception as error:
+            # rank 0 raises it if every rank met it, else stops the group (see the top)
             logger.exception("score failed on a follower rank")
+            self.failure = f"{type(error).__name__}: {error}"
+            if self.note is not None:
+                self.note(self.scores, self.failure)
 
 
-def serve(ranks: _Ranks) -> None:
+def serve(ranks: _Ranks, notes: int) -> None:
     """Follow rank 0's commands until it sends None: load targets, open and release
-    contexts, run the same forwards (their results are rank 0's to use)."""
+    contexts, run the same forwards (their results are rank 0's to use); a failure is noted
+    on the pipe `notes` to rank 0."""
     group = ranks.group
 
-    follower = Follower(lambda model: load_shard(model, group.degree, group.device))
+    def note(score: int, error: str) -> None:
+        line = json.dumps({"score": score, "error": error[:2000]}) + "\n"
+        os.write(notes, line.encode())  # one write under PIPE_BUF bytes: whole or not at all
+
+    follower = Follower(lambda model: load_shard(model, group.degree, group.device), note)
     while (command := ranks.broadcast(None)) is not None:
         follower.apply(command)
 
@@ -495,10 +634,10 @@ def _exit_with_parent(parent: int) -> None:
 
 def _worker_main(argv: list[str]) -> None:
     group = GroupSpec(**json.loads(argv[0]))
-    rank = int(argv[1])
+    rank, notes = int(argv[1]), int(argv[2])
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     ranks = _Ranks(group, rank)
-    serve(ranks)
+    serve(ranks, notes)
     torch.distributed.destroy_process_group()
 
 
