@@ -31,8 +31,7 @@ import torch
 from spot.commit import commit_rule
 from spot.config import ConfidenceName, DecodingConfig
 from spot.drafting import Drafter, DraftInput, StepNoise
-from spot.models.prefix_cache import PrefixCache
-from spot.target import Target, Window
+from spot.target import PrefixStore, Target, Window
 from spot.tree import DraftTree, Layout, State, advance, verify_walk
 
 StopCheck = Callable[[torch.Tensor], bool]
@@ -144,7 +143,7 @@ def generate(
     trace: Trace | None = None,
     on_walk: WalkObserver | None = None,
     max_active: int | None = None,
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: PrefixStore | None = None,
 ) -> list[Result]:
     """Decode `requests`; results in request order. max_active: how many decode at once
     (None: all of them, one batch that shrinks as its requests finish)."""
@@ -162,7 +161,7 @@ def stream(
     trace: Trace | None = None,
     on_walk: WalkObserver | None = None,
     max_active: int | None = None,
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: PrefixStore | None = None,
 ) -> Iterator[tuple[int, Result]]:
     """Decode `requests` with continuous batching; yields (index in `requests`, result) as
     requests finish. Up to `max_active` requests decode at once (None: all of them); a
@@ -248,7 +247,7 @@ def _open(
     index: int,
     request: Request,
     config: DecodingConfig,
-    prefix_cache: PrefixCache | None,
+    prefix_cache: PrefixStore | None,
 ) -> _Active:
     admitted = time.perf_counter()
     prompt = request.prompt.to(torch.long)

@@ -43,6 +43,13 @@ class Scores:
     hidden: torch.Tensor | None  # [N, B, H] last hidden states, when asked for
 
 
+class PrefixStore(Protocol):
+    """A prefix cache as the decode loop sees it: made by the caller for one block length
+    and handed to the target's `open` (`spot.models.prefix_cache.PrefixCache` is one)."""
+
+    block_length: int
+
+
 class Target(Protocol):
     """A diffusion LM as the decode loop sees it."""
 
@@ -57,7 +64,9 @@ class Target(Protocol):
     block_causal: bool  # KV cache of final positions: a prompt is computed once, then reused
     prefix_cache_problem: str | None  # why it cannot take a prefix cache; None: it can
 
-    def open(self, prompt: torch.Tensor, total_length: int, prefix_cache: Any = None) -> Any:
+    def open(
+        self, prompt: torch.Tensor, total_length: int, prefix_cache: PrefixStore | None = None
+    ) -> Any:
         """A fresh context for one request: prompt [P] long, total sequence length; with a
         prefix cache (only where `prefix_cache_problem` is None), its prompt's longest cached
         whole-block prefix is final from the start."""
