@@ -105,13 +105,14 @@ class Submission:
 
 
 def _replicas(cluster: LocalCluster, timeout: float = 240.0) -> list[dict]:
-    """The job's two replicas once both are alive (one per node, by Ray Data's spreading)."""
+    """The job's two replicas once both are alive (one per node, by Ray Data's spreading);
+    the tokenize and detokenize stages' actors are map workers too, and are left out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [
             a
             for a in cluster.state("actors")
-            if "MapWorker" in a["class_name"] and a["state"] == "ALIVE"
+            if "GenerationActor" in a["class_name"] and a["state"] == "ALIVE"
         ]
         if len(alive) >= RESOURCES["replicas"]:
             return alive
