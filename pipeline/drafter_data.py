@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from spot.builtin import resolve_builtin, resolve_reference
+from pipeline.locations import Location
+from spot.builtin import resolve_builtin
 from spot.decode import Request
 from spot.models.loading import DTYPES, load_target
 from spot.noise import request_key
@@ -21,9 +22,9 @@ from spot_common.tokenizer import load_tokenizer
 
 
 def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "cpu"):
-    """The tokenizer and target of a checkpoint directory or `builtin:<name>`, the target on
-    `device` ("auto": the GPU when there is one)."""
-    local = resolve_reference(path)
+    """The tokenizer and target of `builtin:<name>`, a checkpoint directory or a hub id (read
+    as a job reads model.path), the target on `device` ("auto": the GPU when there is one)."""
+    local = Location.parse(path, hub_id=True).checkpoint()
     tokenizer = load_tokenizer(local)
     return tokenizer, load_target(local, dtype=DTYPES[dtype], device=resolve_device(device))
 

@@ -130,6 +130,11 @@ def record_command(
     job = load_or_exit(job_file, (*overrides, "drafter.kind=none"))
     plan = plan_or_exit(job, job_file)
     from pipeline.locations import Location
+    from pipeline.ray_auth import prepare_embedded_ray
+
+    address = None if in_cluster else address or os.environ.get("RAY_ADDRESS")
+    if not in_cluster and not address:
+        prepare_embedded_ray()  # read by Ray when imported, just below
     from pipeline.recording import record_job
     from pipeline.runner import submit_to_cluster
 
@@ -139,7 +144,6 @@ def record_command(
     if in_cluster:
         record_job(job, plan, out, hidden, ray_address="auto", echo=click.echo)
         return
-    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         command = ["record-trajectories", "--out", out, "--hidden" if hidden else "--no-hidden"]
         submit_to_cluster(job, address, click.echo, command)

@@ -50,14 +50,6 @@ def is_builtin(reference: str) -> bool:
     return reference.startswith(PREFIX)
 
 
-def resolve_reference(reference: str) -> Path:
-    """The local path a reference names: `builtin:<name>` the bundled resource, anything else
-    the path itself (with ~ expanded)."""
-    if is_builtin(reference):
-        return resolve_builtin(reference)
-    return Path(reference).expanduser()
-
-
 def builtin_drafter(target: str, kind: str, block_length: int, rule: str = "static") -> Path:
     """The bundled drafter of `kind` for a bundled target, its block length and rule."""
     target = target.removeprefix(PREFIX)
