@@ -40,6 +40,12 @@ AUTH_MODE = "RAY_AUTH_MODE"
 AUTH_TOKEN = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 TEMP_DIR = "RAY_TMPDIR"
+# Ray puts a Unix socket this far below its temp folder, and a socket's path holds at most
+# 107 bytes (Ray refuses longer ones): the folder is made where the path fits.
+RAY_SOCKET_TAIL = (
+    "/spot-ray-xxxxxxxx/ray/session_2026-12-06_22-39-11_431153_4194304/sockets/plasma_store"
+)
+SOCKET_PATH_MAX = 107
 # Ray's single-machine mode (its default on macOS and Windows): the node's address, and so
 # every server's, is 127.0.0.1 instead of the machine's network address
 LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -98,7 +104,7 @@ def embedded_ray(num_cpus: int) -> Iterator[None]:
     (`private_token`), its files in a new temporary folder removed afterwards."""
     import ray
 
-    temp_dir = tempfile.mkdtemp(prefix="spot-ray-")
+    temp_dir = tempfile.mkdtemp(prefix="spot-ray-", dir=_temp_parent())
     try:
         with private_token(), _environment({TEMP_DIR: temp_dir}):
             ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
@@ -108,6 +114,13 @@ def embedded_ray(num_cpus: int) -> Iterator[None]:
                 ray.shutdown()
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _temp_parent() -> str:
+    """The system's temporary folder ($TMPDIR), or /tmp when Ray's sockets below it would
+    have paths too long."""
+    parent = tempfile.gettempdir()
+    return parent if len(parent) + len(RAY_SOCKET_TAIL) <= SOCKET_PATH_MAX else "/tmp"
 
 
 def client_token_from_environment() -> bool:

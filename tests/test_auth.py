@@ -217,6 +217,39 @@ def test_each_embedded_cluster_of_a_process_refuses_clients_without_the_token(tm
         shutil.rmtree(temp, ignore_errors=True)
 
 
+LONG_TMPDIR_CLUSTER = """
+import glob, ray
+from pipeline.ray_auth import embedded_ray
+
+with embedded_ray(num_cpus=1):
+    print("driver ran:", ray.get(ray.remote(lambda: 1).remote(), timeout=60))
+    print("folders in /tmp:", len(glob.glob("/tmp/spot-ray-*/ray/session_*")) > 0)
+"""
+
+
+def test_an_embedded_cluster_starts_under_a_long_temporary_folder(tmp_path):
+    """Ray's sockets lie ~86 characters below its folder and a socket path holds 107 bytes:
+    under a $TMPDIR too long for them (a test's or a batch system's), the embedded cluster
+    makes its folder in /tmp instead of failing to start."""
+    long = Path(tempfile.mkdtemp(prefix="a-temporary-folder-far-too-long-for-sockets-"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(long), AUTH_MODE: "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", LONG_TMPDIR_CLUSTER],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.split() == ["driver", "ran:", "1", "folders", "in", "/tmp:", "True"]
+        assert not list(long.iterdir())
+    finally:
+        shutil.rmtree(long, ignore_errors=True)
+
+
 def test_submit_help_says_where_a_clusters_token_comes_from():
     result = CliRunner().invoke(main, ["submit", "--help"])
     assert result.exit_code == 0
