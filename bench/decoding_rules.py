@@ -1,0 +1,296 @@
+"""Commit rules and drafters against answer accuracy and tokens/s, on the bundled targets.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/decoding_rules.py --batch-sizes 8
+
+Each variant is the quick-start job `jobs/synthetic.yaml` with the target, the commit rule
+and the drafter overridden (`drafter.budget: auto`, as the job has it) and decoded by that
+job's own replica, `pipeline.engine.Engine` (tokenize, generate, detokenize; the chat
+template, continuous batching at the job's batch size, budget auto measuring this machine's
+forward cost when the engine is built). Per target the variants are: the static rule (one
+token per step), threshold decoding at τ 0.9 and 0.7, and for SDAR targets `sdar_dynamic`
+(τ 0.9, at 1 and 2 tokens per step); each draft-free and with every drafter kind the
+registry (`spot.drafters.registry.DRAFTERS`) says serves the rule and that is bundled for it.
+
+Prompts: the first --prompts held-out *maths* problems of spot/builtin/prompts/heldout.jsonl,
+the set docs/benchmarks.md §1 scores (`spot_factory.target_quality.heldout_prompts`); a
+completion is right when its final answer equals the row's `answer` column
+(`spot_factory.corpus.is_correct`, the scorer of `spot-factory evaluate-target`).
+
+The variants take turns, one call of the job's engine at a time (--chunk rows: by default the
+rows one replica call takes on a job of this size, `pipeline.estimate.block_rows`), the order
+rotated every chunk, so a slow spell of the shared machine falls on every variant alike:
+read the tokens/s ratios against static draft-free decoding, with their range over chunks;
+absolute tokens/s move with the machine's load. Accuracy comes with a Wilson 95% interval and
+a paired comparison with static draft-free decoding on the same prompts: how many answers
+the variant loses and gains, and the exact two-sided McNemar p-value of those flips. "exact"
+compares each drafted variant's tokens with the draft-free decoding of its own rule
+(speculative decoding is lossless), and `sdar_dynamic` at one token per step with threshold
+decoding at the same τ (the same commits but for a confidence exactly at τ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.engine import Engine  # noqa: E402
+from pipeline.estimate import block_rows, sample_rows  # noqa: E402
+from pipeline.job import Job, load_job  # noqa: E402
+from spot.budget import AutoBudget  # noqa: E402
+from spot.builtin import builtin_drafter  # noqa: E402
+from spot.drafters.registry import DRAFTERS  # noqa: E402
+from spot_factory.corpus import is_correct  # noqa: E402
+from spot_factory.target_quality import heldout_prompts  # noqa: E402
+
+JOB = ROOT / "jobs" / "synthetic.yaml"
+FAMILIES = {"sdar-tiny": "sdar", "sdar-nano": "sdar", "llada-tiny": "llada"}
+DRAFTER_NAMES = {"none": "draft-free", "spot": "SPOT", "spiffy": "Spiffy", "spot-sets": "SPOT-Sets"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One commit-rule setting of the job's decoding section."""
+
+    label: str
+    rule: str
+    threshold: float = 0.9
+    tokens_per_step: int = 1
+    same_as: str | None = None  # the label of a rule whose draft-free tokens these must equal
+
+    def overrides(self) -> list[str]:
+        return [
+            f"decoding.rule={self.rule}",
+            f"decoding.threshold={self.threshold}",
+            f"decoding.tokens_per_step={self.tokens_per_step}",
+        ]
+
+
+STATIC = Rule("static", "static")
+RULES = (
+    STATIC,
+    Rule("threshold 0.9", "threshold", 0.9),
+    Rule("threshold 0.7", "threshold", 0.7),
+)
+SDAR_RULES = (
+    Rule("sdar_dynamic 0.9", "sdar_dynamic", 0.9, same_as="threshold 0.9"),
+    Rule("sdar_dynamic 0.9, 2/step", "sdar_dynamic", 0.9, tokens_per_step=2),
+)
+
+
+@dataclass
+class Variant:
+    """One (rule, drafter) job, its engine, and what it measured over its turns."""
+
+    rule: Rule
+    drafter: str  # a registry kind, or "none"
+    job: Job
+    engine: Engine | None = None
+    outputs: list[pa.Table] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    chunk_rates: list[float] = field(default_factory=list)  # generated tokens/s per chunk
+
+    @property
+    def name(self) -> str:
+        return f"{self.rule.label} / {DRAFTER_NAMES[self.drafter]}"
+
+    @property
+    def table(self) -> pa.Table:
+        return pa.concat_tables(self.outputs)
+
+    def tokens(self) -> int:
+        return pc.sum(self.table.column("num_generated_tokens")).as_py() or 0
+
+    def token_ids(self) -> list[list[int]]:
+        return self.table.column("completion_token_ids").to_pylist()
+
+    def correct(self) -> list[bool]:
+        table = self.table
+        rows = zip(
+            table.column("kind").to_pylist(),
+            table.column("answer").to_pylist(),
+            table.column("completion").to_pylist(),
+        )
+        return [is_correct({"kind": k, "answer": a}, c or "") for k, a, c in rows]
+
+
+def serving_drafters(target: str, rule: Rule, block_length: int) -> list[str]:
+    """The registry's kinds that draft for `rule` and are bundled for `target` at this block
+    length and rule."""
+    kinds = []
+    for name, kind in DRAFTERS.items():
+        if rule.rule not in kind.rules:
+            continue
+        try:
+            builtin_drafter(target, name, block_length, rule.rule)
+        except FileNotFoundError:
+            continue
+        kinds.append(name)
+    return kinds
+
+
+def make_variants(target: str, batch_size: int, base: list[str]) -> list[Variant]:
+    rules = RULES + (SDAR_RULES if FAMILIES[target] == "sdar" else ())
+    variants = []
+    for rule in rules:
+        overrides = [
+            *base,
+            "input.limit=null",
+            f"model.path=builtin:{target}",
+            f"model.family={FAMILIES[target]}",
+            f"resources.batch_size={batch_size}",
+            *rule.overrides(),
+        ]
+        free = load_job(JOB, [*overrides, "drafter.kind=none"])
+        variants.append(Variant(rule, "none", free))
+        if rule.same_as:
+            continue
+        for kind in serving_drafters(target, rule, free.decoding.block_length):
+            drafter = [f"drafter.kind={kind}", "drafter.budget=auto"]
+            variants.append(Variant(rule, kind, load_job(JOB, overrides + drafter)))
+    return variants
+
+
+def maths_rows(job: Job, count: int) -> pa.Table:
+    """The first `count` held-out maths problems in the engine's input form (the job's own
+    input plan, `pipeline.estimate.sample_rows`), the set `heldout_prompts` gives §1."""
+    rows, _ = sample_rows(job, 1 << 62)  # every row, in file order
+    maths = rows.filter(pc.equal(rows.column("kind"), "math")).slice(0, count)
+    expected = [p["id"] for p in heldout_prompts(["math"], count)]
+    if maths.column("id").to_pylist() != expected:
+        raise RuntimeError("the job's input rows are not the held-out maths prompts")
+    return maths
+
+
+def take_turns(variants: list[Variant], rows: pa.Table, chunk: int) -> None:
+    """Every variant's engine processes every chunk of `rows`; chunk by chunk, the variants
+    take turns in an order rotated each chunk."""
+    for number, first in enumerate(range(0, rows.num_rows, chunk)):
+        part = rows.slice(first, chunk)
+        shift = number % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = variant.engine.process(part)
+            seconds = time.perf_counter() - t0
+            variant.seconds += seconds
+            variant.cpu_seconds += time.process_time() - c0
+            variant.outputs.append(out)
+            tokens = pc.sum(out.column("num_generated_tokens")).as_py() or 0
+            variant.chunk_rates.append(tokens / seconds)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95% interval of a binomial proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_p(lost: int, gained: int) -> float:
+    """Exact two-sided McNemar p-value: the chance of flips at least this lopsided if a
+    flipped answer were as likely to go either way."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def budgets_used(engine: Engine) -> str:
+    """budget auto: the budgets its iterations ran at, most used first, with their shares."""
+    drafter = engine.drafter
+    if not isinstance(drafter, AutoBudget):
+        return "–"
+    used: Counter = Counter()
+    for (_, budget), iterations in drafter.timed.items():
+        used[budget] += iterations
+    total = sum(used.values()) or 1
+    return ", ".join(f"{b}: {n / total:.0%}" for b, n in used.most_common(3))
+
+
+def report(variants: list[Variant], heading: str) -> str:
+    base = variants[0]  # static, draft-free
+    base_correct = base.correct()
+    base_rate = base.tokens() / base.seconds
+    by_rule = {(v.rule.label, v.drafter): v for v in variants}
+    lines = [
+        heading,
+        "",
+        "| rule | drafter | accuracy (95% CI) | vs static: lost / gained (p) | NFE mean "
+        "| steps/forward | tokens/row | tokens/s (noisy) | vs static draft-free (chunks) "
+        "| budget auto used | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in variants:
+        correct = v.correct()
+        n, right = len(correct), sum(correct)
+        low, high = wilson(right, n)
+        lost = sum(b and not c for b, c in zip(base_correct, correct))
+        gained = sum(c and not b for b, c in zip(base_correct, correct))
+        table = v.table
+        rate = v.tokens() / v.seconds
+        ratios = [r / b for r, b in zip(v.chunk_rates, base.chunk_rates)]
+        reference = by_rule[v.rule.same_as or v.rule.label, "none"]
+        exact = "–" if reference is v else "yes" if v.token_ids() == reference.token_ids() else "NO"
+        nfe = pc.mean(table.column("nfe")).as_py()
+        steps = pc.sum(table.column("steps")).as_py() / pc.sum(table.column("nfe")).as_py()
+        lines.append(
+            f"| {v.rule.label} | {DRAFTER_NAMES[v.drafter]} | {right / n:.1%} "
+            f"({low:.1%}-{high:.1%}) | {lost} / {gained} ({mcnemar_p(lost, gained):.2f}) "
+            f"| {nfe:.1f} | {steps:.2f} | {v.tokens() / n:.1f} | {rate:.1f} "
+            f"| {rate / base_rate:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+            f"| {budgets_used(v.engine)} | {exact} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--targets", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--prompts", type=int, default=200, help="first N held-out maths prompts")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8])
+    p.add_argument("--chunk", type=int, default=None, help="rows per turn (default: the job's)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the job's num_cpus)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="job key=value")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+
+    for target in args.targets:
+        for batch_size in args.batch_sizes:
+            variants = make_variants(target, batch_size, args.overrides)
+            job = variants[0].job
+            rows = maths_rows(job, args.prompts)
+            chunk = args.chunk or block_rows(job, rows.num_rows)
+            started = time.perf_counter()
+            for v in variants:
+                v.engine = Engine(v.job)
+            take_turns(variants, rows, chunk)
+            d = job.decoding
+            heading = (
+                f"### {target}, batch {batch_size}: {rows.num_rows} held-out maths prompts, "
+                f"block {d.block_length}, gen {d.gen_length}, T={d.temperature}, "
+                f"{args.threads} thread(s), chunks of {chunk} rows, "
+                f"{time.perf_counter() - started:.0f} s"
+            )
+            print(report(variants, heading), flush=True)
+            print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
