@@ -34,7 +34,6 @@ import argparse
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,10 +44,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.continuous_batching import budgets_used  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.estimate import block_rows, sample_rows  # noqa: E402
 from pipeline.job import Job, load_job  # noqa: E402
-from spot.budget import AutoBudget  # noqa: E402
 from spot.builtin import builtin_drafter  # noqa: E402
 from spot.drafters.registry import DRAFTERS  # noqa: E402
 from spot_factory.corpus import is_correct  # noqa: E402
@@ -211,18 +210,6 @@ def mcnemar_p(lost: int, gained: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def budgets_used(engine: Engine) -> str:
-    """budget auto: the budgets its iterations ran at, most used first, with their shares."""
-    drafter = engine.drafter
-    if not isinstance(drafter, AutoBudget):
-        return "–"
-    used: Counter = Counter()
-    for (_, budget), iterations in drafter.timed.items():
-        used[budget] += iterations
-    total = sum(used.values()) or 1
-    return ", ".join(f"{b}: {n / total:.0%}" for b, n in used.most_common(3))
-
-
 def report(variants: list[Variant], heading: str) -> str:
     base = variants[0]  # static, draft-free
     base_correct = base.correct()
@@ -254,7 +241,7 @@ def report(variants: list[Variant], heading: str) -> str:
             f"({low:.1%}-{high:.1%}) | {lost} / {gained} ({mcnemar_p(lost, gained):.2f}) "
             f"| {nfe:.1f} | {steps:.2f} | {v.tokens() / n:.1f} | {rate:.1f} "
             f"| {rate / base_rate:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
-            f"| {budgets_used(v.engine)} | {exact} |"
+            f"| {budgets_used(v.engine.drafter)} | {exact} |"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,78 @@
+"""The commit-rule benchmark: its job variants, its statistics, and its scoring through the job's
+engine against `spot-factory evaluate-target`'s on the same prompts."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spot_factory.corpus import is_correct
+from spot_factory.target_quality import evaluate, heldout_prompts
+
+spec = importlib.util.spec_from_file_location(
+    "bench_decoding_rules", Path(__file__).parents[1] / "bench" / "decoding_rules.py"
+)
+bench = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench  # dataclasses look their module up there
+spec.loader.exec_module(bench)
+
+
+def test_exact_mcnemar_and_wilson_by_hand():
+    assert bench.mcnemar_p(0, 0) == 1.0
+    assert bench.mcnemar_p(3, 3) == 1.0
+    assert bench.mcnemar_p(0, 6) == pytest.approx(2 / 64)  # 6 flips all one way
+    assert bench.mcnemar_p(1, 6) == pytest.approx(2 * 8 / 128)
+    assert bench.mcnemar_p(6, 1) == bench.mcnemar_p(1, 6)
+    low, high = bench.wilson(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
+    low, high = bench.wilson(115, 200)  # 57.5%
+    assert (low, high) == (pytest.approx(0.5058, abs=1e-4), pytest.approx(0.6414, abs=1e-4))
+
+
+def test_variants_are_the_drafters_the_registry_serves_each_rule_with():
+    variants = bench.make_variants("sdar-tiny", 8, [])
+    kinds = {}
+    for v in variants:
+        kinds.setdefault(v.rule.label, []).append(v.drafter)
+        assert v.job.resources.batch_size == 8 and v.job.input.limit is None
+        assert v.job.decoding.rule == v.rule.rule and v.job.decoding.threshold == v.rule.threshold
+        assert v.job.drafter.budget == ("auto" if v.drafter != "none" else v.job.drafter.budget)
+    assert kinds == {
+        "static": ["none", "spiffy", "spot"],
+        "threshold 0.9": ["none", "spiffy", "spot-sets"],
+        "threshold 0.7": ["none", "spiffy", "spot-sets"],
+        "sdar_dynamic 0.9": ["none"],
+        "sdar_dynamic 0.9, 2/step": ["none"],  # no bundled drafter for the rule
+    }
+    llada = bench.make_variants("llada-tiny", 1, [])
+    assert {v.rule.rule for v in llada} == {"static", "threshold"}
+    assert all(v.job.model.family == "llada" for v in llada)
+
+
+def test_engine_completions_score_as_evaluate_target_does():
+    """Static draft-free decoding through the job's engine writes the completions
+    `evaluate-target` writes for the same held-out maths prompts; variants taking turns in
+    chunks keep their rows in order, and a drafted variant matches its rule's draft-free."""
+    torch.set_grad_enabled(False)
+    base = ["decoding.gen_length=32", "decoding.block_length=16"]
+    chosen = {("static", "none"), ("threshold 0.9", "none"), ("threshold 0.9", "spiffy")}
+    variants = [
+        v for v in bench.make_variants("sdar-nano", 3, base) if (v.rule.label, v.drafter) in chosen
+    ]
+    rows = bench.maths_rows(variants[0].job, 7)
+    for v in variants:
+        v.engine = bench.Engine(v.job)
+    bench.take_turns(variants, rows, chunk=3)
+    assert all(len(v.outputs) == 3 and v.table.column("id") == rows.column("id") for v in variants)
+
+    static = variants[0]
+    prompts = heldout_prompts(["math"], 7)
+    _, completions = evaluate(
+        "sdar-nano", static.engine.target, static.engine.tokenizer, prompts, 16, 32
+    )
+    assert static.table.column("completion").to_pylist() == completions
+    assert static.correct() == [is_correct(p, c) for p, c in zip(prompts, completions)]
+    text = bench.report(variants, "### sdar-nano")
+    assert "| threshold 0.9 | Spiffy |" in text and text.splitlines()[-1].endswith("| yes |")
