@@ -18,12 +18,15 @@ completion is right when its final answer equals the row's `answer` column
 
 The variants take turns, one call of the job's engine at a time (--chunk rows: by default the
 rows one replica call takes on a job of this size, `pipeline.estimate.block_rows`), the order
-rotated every chunk, so a slow spell of the shared machine falls on every variant alike:
-read the tokens/s ratios against static draft-free decoding, with their range over chunks;
-absolute tokens/s move with the machine's load. Accuracy comes with a Wilson 95% interval and
-a paired comparison with static draft-free decoding on the same prompts: how many answers
-the variant loses and gains, and the exact two-sided McNemar p-value of those flips. "exact"
-compares each drafted variant's tokens with the draft-free decoding of its own rule
+rotated every turn, --passes times over the prompts, so a slow spell of the shared machine
+falls on every variant alike: read the tokens/s ratios against static draft-free decoding
+(wall time, with the interquartile range of the per-turn ratios, and per second of this
+process's CPU time, steadier while other work loads the machine); absolute tokens/s
+(generated tokens, the output's `num_generated_tokens`) move with the machine's load.
+Accuracy (first pass) comes with a Wilson 95% interval and a paired comparison with static
+draft-free decoding on the same prompts: how many completions differ at all, how many
+answers the variant loses and gains, and the exact two-sided McNemar p-value of those flips.
+"exact" compares each drafted variant's tokens with the draft-free decoding of its own rule
 (speculative decoding is lossless), and `sdar_dynamic` at one token per step with threshold
 decoding at the same τ (the same commits but for a confidence exactly at τ).
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -96,24 +100,27 @@ class Variant:
     drafter: str  # a registry kind, or "none"
     job: Job
     engine: Engine | None = None
-    outputs: list[pa.Table] = field(default_factory=list)
+    passes: list[list[pa.Table]] = field(default_factory=list)  # [pass][chunk] output rows
     seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    chunk_rates: list[float] = field(default_factory=list)  # generated tokens/s per chunk
-
-    @property
-    def name(self) -> str:
-        return f"{self.rule.label} / {DRAFTER_NAMES[self.drafter]}"
+    cpu_seconds: float = 0.0  # this process's CPU time in the variant's turns
+    chunk_rates: list[float] = field(default_factory=list)  # generated tokens/s per turn
 
     @property
     def table(self) -> pa.Table:
-        return pa.concat_tables(self.outputs)
+        """The output rows of the first pass over the prompts."""
+        return pa.concat_tables(self.passes[0])
 
     def tokens(self) -> int:
-        return pc.sum(self.table.column("num_generated_tokens")).as_py() or 0
+        """Generated tokens over every pass (what its seconds were spent on)."""
+        return sum(_tokens(out) for chunks in self.passes for out in chunks)
 
     def token_ids(self) -> list[list[int]]:
         return self.table.column("completion_token_ids").to_pylist()
+
+    def repeatable(self) -> bool:
+        """Every pass wrote the first pass's tokens."""
+        ids = [pa.concat_tables(p).column("completion_token_ids") for p in self.passes]
+        return all(other == ids[0] for other in ids[1:])
 
     def correct(self) -> list[bool]:
         table = self.table
@@ -123,6 +130,10 @@ class Variant:
             table.column("completion").to_pylist(),
         )
         return [is_correct({"kind": k, "answer": a}, c or "") for k, a, c in rows]
+
+
+def _tokens(out: pa.Table) -> int:
+    return pc.sum(out.column("num_generated_tokens")).as_py() or 0
 
 
 def serving_drafters(target: str, rule: Rule, block_length: int) -> list[str]:
@@ -173,11 +184,15 @@ def maths_rows(job: Job, count: int) -> pa.Table:
     return maths
 
 
-def take_turns(variants: list[Variant], rows: pa.Table, chunk: int) -> None:
-    """Every variant's engine processes every chunk of `rows`; chunk by chunk, the variants
-    take turns in an order rotated each chunk."""
-    for number, first in enumerate(range(0, rows.num_rows, chunk)):
-        part = rows.slice(first, chunk)
+def take_turns(variants: list[Variant], rows: pa.Table, chunk: int, passes: int = 1) -> None:
+    """Every variant's engine processes every chunk of `rows`, `passes` times over; chunk by
+    chunk, the variants take turns in an order rotated each chunk."""
+    starts = range(0, rows.num_rows, chunk)
+    for number in range(passes * len(starts)):
+        if number % len(starts) == 0:
+            for variant in variants:
+                variant.passes.append([])
+        part = rows.slice(starts[number % len(starts)], chunk)
         shift = number % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -185,9 +200,8 @@ def take_turns(variants: list[Variant], rows: pa.Table, chunk: int) -> None:
             seconds = time.perf_counter() - t0
             variant.seconds += seconds
             variant.cpu_seconds += time.process_time() - c0
-            variant.outputs.append(out)
-            tokens = pc.sum(out.column("num_generated_tokens")).as_py() or 0
-            variant.chunk_rates.append(tokens / seconds)
+            variant.passes[-1].append(out)
+            variant.chunk_rates.append(_tokens(out) / seconds)
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -210,37 +224,50 @@ def mcnemar_p(lost: int, gained: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles (both the value itself when there is one)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q1, q3
+
+
 def report(variants: list[Variant], heading: str) -> str:
     base = variants[0]  # static, draft-free
-    base_correct = base.correct()
+    base_correct, base_ids = base.correct(), base.token_ids()
     base_rate = base.tokens() / base.seconds
+    base_cpu_rate = base.tokens() / base.cpu_seconds
     by_rule = {(v.rule.label, v.drafter): v for v in variants}
     lines = [
         heading,
         "",
-        "| rule | drafter | accuracy (95% CI) | vs static: lost / gained (p) | NFE mean "
-        "| steps/forward | tokens/row | tokens/s (noisy) | vs static draft-free (chunks) "
-        "| budget auto used | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rule | drafter | accuracy (95% CI) | answers lost / gained vs static (p) "
+        "| completions ≠ static | NFE mean | steps/forward | tokens/row | tokens/s (noisy) "
+        "| vs static draft-free (turns' IQR) | per CPU second | budget auto used | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in variants:
-        correct = v.correct()
+        correct, ids = v.correct(), v.token_ids()
         n, right = len(correct), sum(correct)
         low, high = wilson(right, n)
         lost = sum(b and not c for b, c in zip(base_correct, correct))
         gained = sum(c and not b for b, c in zip(base_correct, correct))
+        changed = sum(a != b for a, b in zip(base_ids, ids))
         table = v.table
         rate = v.tokens() / v.seconds
-        ratios = [r / b for r, b in zip(v.chunk_rates, base.chunk_rates)]
+        q1, q3 = quartiles([r / b for r, b in zip(v.chunk_rates, base.chunk_rates)])
+        cpu_ratio = v.tokens() / v.cpu_seconds / base_cpu_rate
         reference = by_rule[v.rule.same_as or v.rule.label, "none"]
-        exact = "–" if reference is v else "yes" if v.token_ids() == reference.token_ids() else "NO"
-        nfe = pc.mean(table.column("nfe")).as_py()
-        steps = pc.sum(table.column("steps")).as_py() / pc.sum(table.column("nfe")).as_py()
+        exact = "–" if reference is v else "yes" if ids == reference.token_ids() else "NO"
+        if not v.repeatable():
+            exact += " (passes differ)"
+        nfe = pc.sum(table.column("nfe")).as_py()
+        steps = pc.sum(table.column("steps")).as_py()
         lines.append(
             f"| {v.rule.label} | {DRAFTER_NAMES[v.drafter]} | {right / n:.1%} "
             f"({low:.1%}-{high:.1%}) | {lost} / {gained} ({mcnemar_p(lost, gained):.2f}) "
-            f"| {nfe:.1f} | {steps:.2f} | {v.tokens() / n:.1f} | {rate:.1f} "
-            f"| {rate / base_rate:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+            f"| {changed} | {nfe / n:.1f} | {steps / nfe:.2f} | {_tokens(table) / n:.1f} "
+            f"| {rate:.0f} | {rate / base_rate:.2f}x ({q1:.2f}-{q3:.2f}) | {cpu_ratio:.2f}x "
             f"| {budgets_used(v.engine.drafter)} | {exact} |"
         )
     return "\n".join(lines)
@@ -252,6 +279,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=200, help="first N held-out maths prompts")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8])
     p.add_argument("--chunk", type=int, default=None, help="rows per turn (default: the job's)")
+    p.add_argument("--passes", type=int, default=1, help="times over the prompts (timing)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the job's num_cpus)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="job key=value")
     args = p.parse_args()
@@ -267,12 +295,12 @@ def main() -> None:
             started = time.perf_counter()
             for v in variants:
                 v.engine = Engine(v.job)
-            take_turns(variants, rows, chunk)
+            take_turns(variants, rows, chunk, args.passes)
             d = job.decoding
             heading = (
                 f"### {target}, batch {batch_size}: {rows.num_rows} held-out maths prompts, "
                 f"block {d.block_length}, gen {d.gen_length}, T={d.temperature}, "
-                f"{args.threads} thread(s), chunks of {chunk} rows, "
+                f"{args.threads} thread(s), {args.passes} pass(es) in turns of {chunk} rows, "
                 f"{time.perf_counter() - started:.0f} s"
             )
             print(report(variants, heading), flush=True)

@@ -54,7 +54,8 @@ def test_variants_are_the_drafters_the_registry_serves_each_rule_with():
 def test_engine_completions_score_as_evaluate_target_does():
     """Static draft-free decoding through the job's engine writes the completions
     `evaluate-target` writes for the same held-out maths prompts; variants taking turns in
-    chunks keep their rows in order, and a drafted variant matches its rule's draft-free."""
+    chunks, twice over, keep their rows in order, and a drafted variant matches its rule's
+    draft-free decoding."""
     torch.set_grad_enabled(False)
     base = ["decoding.gen_length=32", "decoding.block_length=16"]
     chosen = {("static", "none"), ("threshold 0.9", "none"), ("threshold 0.9", "spiffy")}
@@ -64,8 +65,10 @@ def test_engine_completions_score_as_evaluate_target_does():
     rows = bench.maths_rows(variants[0].job, 7)
     for v in variants:
         v.engine = bench.Engine(v.job)
-    bench.take_turns(variants, rows, chunk=3)
-    assert all(len(v.outputs) == 3 and v.table.column("id") == rows.column("id") for v in variants)
+    bench.take_turns(variants, rows, chunk=3, passes=2)
+    for v in variants:
+        assert [len(p) for p in v.passes] == [3, 3] and len(v.chunk_rates) == 6
+        assert v.table.column("id") == rows.column("id") and v.repeatable()
 
     static = variants[0]
     prompts = heldout_prompts(["math"], 7)
