@@ -12,7 +12,9 @@ token per step), threshold decoding at τ 0.9 and 0.7, and for SDAR targets `sda
 registry (`spot.drafters.registry.DRAFTERS`) says serves the rule and that is bundled for it.
 
 Prompts: the first --prompts held-out *maths* problems of spot/builtin/prompts/heldout.jsonl,
-the set docs/benchmarks.md §1 scores (`spot_factory.target_quality.heldout_prompts`); a
+the set docs/benchmarks.md §1 scores (`spot_factory.target_quality.heldout_prompts`); past
+its 314, the corpus's own held-out set continues it (`spot_factory.corpus.heldout_prompt_set`,
+whose first 400 examples the file holds: problems whose key training never used). A
 completion is right when its final answer equals the row's `answer` column
 (`spot_factory.corpus.is_correct`, the scorer of `spot-factory evaluate-target`).
 
@@ -25,7 +27,8 @@ process's CPU time, steadier while other work loads the machine); absolute token
 (generated tokens, the output's `num_generated_tokens`) move with the machine's load.
 Accuracy (first pass) comes with a Wilson 95% interval and a paired comparison with static
 draft-free decoding on the same prompts: how many completions differ at all, how many
-answers the variant loses and gains, and the exact two-sided McNemar p-value of those flips.
+answers the variant loses and gains, the exact two-sided McNemar p-value of those flips, and
+the accuracy difference with its paired 95% interval.
 "exact" compares each drafted variant's tokens with the draft-free decoding of its own rule
 (speculative decoding is lossless), and `sdar_dynamic` at one token per step with threshold
 decoding at the same τ (the same commits but for a confidence exactly at τ).
@@ -35,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +59,12 @@ from pipeline.estimate import block_rows, sample_rows  # noqa: E402
 from pipeline.job import Job, load_job  # noqa: E402
 from spot.builtin import builtin_drafter  # noqa: E402
 from spot.drafters.registry import DRAFTERS  # noqa: E402
-from spot_factory.corpus import is_correct  # noqa: E402
+from spot_factory.corpus import (  # noqa: E402
+    MATH_SHARE,
+    heldout_prompt_set,
+    is_correct,
+    write_jsonl,
+)
 from spot_factory.target_quality import heldout_prompts  # noqa: E402
 
 JOB = ROOT / "jobs" / "synthetic.yaml"
@@ -151,7 +161,11 @@ def serving_drafters(target: str, rule: Rule, block_length: int) -> list[str]:
     return kinds
 
 
-def make_variants(target: str, batch_size: int, base: list[str]) -> list[Variant]:
+def make_variants(
+    target: str, batch_size: int, base: list[str], drafters: bool = True
+) -> list[Variant]:
+    """The target's rule variants, each draft-free and (`drafters`) with every bundled drafter
+    that serves its rule."""
     rules = RULES + (SDAR_RULES if FAMILIES[target] == "sdar" else ())
     variants = []
     for rule in rules:
@@ -165,7 +179,7 @@ def make_variants(target: str, batch_size: int, base: list[str]) -> list[Variant
         ]
         free = load_job(JOB, [*overrides, "drafter.kind=none"])
         variants.append(Variant(rule, "none", free))
-        if rule.same_as:
+        if rule.same_as or not drafters:
             continue
         for kind in serving_drafters(target, rule, free.decoding.block_length):
             drafter = [f"drafter.kind={kind}", "drafter.budget=auto"]
@@ -174,14 +188,25 @@ def make_variants(target: str, batch_size: int, base: list[str]) -> list[Variant
 
 
 def maths_rows(job: Job, count: int) -> pa.Table:
-    """The first `count` held-out maths problems in the engine's input form (the job's own
-    input plan, `pipeline.estimate.sample_rows`), the set `heldout_prompts` gives §1."""
+    """The first `count` maths problems of the job's input in the engine's input form (the
+    job's own input plan, `pipeline.estimate.sample_rows`)."""
     rows, _ = sample_rows(job, 1 << 62)  # every row, in file order
     maths = rows.filter(pc.equal(rows.column("kind"), "math")).slice(0, count)
-    expected = [p["id"] for p in heldout_prompts(["math"], count)]
-    if maths.column("id").to_pylist() != expected:
-        raise RuntimeError("the job's input rows are not the held-out maths prompts")
+    if maths.num_rows < count:
+        raise ValueError(f"the job's input holds {maths.num_rows} maths problems, not {count}")
     return maths
+
+
+def heldout_input(count: int, folder: Path) -> str:
+    """An input path holding at least `count` held-out maths problems, the first of them those
+    `heldout_prompts` gives §1: the bundled file, or past its maths problems the corpus's own
+    held-out set written to `folder` (the bundled file is its first 400 examples)."""
+    if len(heldout_prompts(["math"], count)) == count:
+        return "builtin:prompts/heldout.jsonl"
+    examples = heldout_prompt_set(0, math.ceil(count / MATH_SHARE * 1.1) + 100)
+    path = folder / f"heldout-{len(examples)}.jsonl"
+    write_jsonl(path, examples)
+    return str(path)
 
 
 def take_turns(variants: list[Variant], rows: pa.Table, chunk: int, passes: int = 1) -> None:
@@ -224,6 +249,14 @@ def mcnemar_p(lost: int, gained: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired_difference(lost: int, gained: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The accuracy difference (gained - lost) / n and the half-width of its paired 95%
+    interval (normal approximation over the n prompts)."""
+    diff = (gained - lost) / n
+    variance = ((lost + gained) / n - diff * diff) / n
+    return diff, z * math.sqrt(max(variance, 0.0))
+
+
 def quartiles(values: list[float]) -> tuple[float, float]:
     """The 25th and 75th percentiles (both the value itself when there is one)."""
     if len(values) < 2:
@@ -242,9 +275,10 @@ def report(variants: list[Variant], heading: str) -> str:
         heading,
         "",
         "| rule | drafter | accuracy (95% CI) | answers lost / gained vs static (p) "
+        "| difference (95% CI) "
         "| completions ≠ static | NFE mean | steps/forward | tokens/row | tokens/s (noisy) "
         "| vs static draft-free (turns' IQR) | per CPU second | budget auto used | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in variants:
         correct, ids = v.correct(), v.token_ids()
@@ -252,6 +286,7 @@ def report(variants: list[Variant], heading: str) -> str:
         low, high = wilson(right, n)
         lost = sum(b and not c for b, c in zip(base_correct, correct))
         gained = sum(c and not b for b, c in zip(base_correct, correct))
+        diff, half = paired_difference(lost, gained, n)
         changed = sum(a != b for a, b in zip(base_ids, ids))
         table = v.table
         rate = v.tokens() / v.seconds
@@ -266,6 +301,7 @@ def report(variants: list[Variant], heading: str) -> str:
         lines.append(
             f"| {v.rule.label} | {DRAFTER_NAMES[v.drafter]} | {right / n:.1%} "
             f"({low:.1%}-{high:.1%}) | {lost} / {gained} ({mcnemar_p(lost, gained):.2f}) "
+            f"| {diff:+.1%} ± {half:.1%} "
             f"| {changed} | {nfe / n:.1f} | {steps / nfe:.2f} | {_tokens(table) / n:.1f} "
             f"| {rate:.0f} | {rate / base_rate:.2f}x ({q1:.2f}-{q3:.2f}) | {cpu_ratio:.2f}x "
             f"| {budgets_used(v.engine.drafter)} | {exact} |"
@@ -276,21 +312,34 @@ def report(variants: list[Variant], heading: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--targets", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    p.add_argument("--prompts", type=int, default=200, help="first N held-out maths prompts")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=200,
+        help="first N held-out maths problems (past the bundled file's 314: the corpus's)",
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8])
     p.add_argument("--chunk", type=int, default=None, help="rows per turn (default: the job's)")
     p.add_argument("--passes", type=int, default=1, help="times over the prompts (timing)")
+    p.add_argument("--draft-free", action="store_true", help="no drafted variants")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the job's num_cpus)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="job key=value")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
 
+    folder = Path(tempfile.mkdtemp(prefix="decoding-rules-"))
+    inputs = [f"input.path={heldout_input(args.prompts, folder)}"]
+    bundled = [p["id"] for p in heldout_prompts(["math"], args.prompts)]
     for target in args.targets:
         for batch_size in args.batch_sizes:
-            variants = make_variants(target, batch_size, args.overrides)
+            variants = make_variants(
+                target, batch_size, inputs + args.overrides, drafters=not args.draft_free
+            )
             job = variants[0].job
             rows = maths_rows(job, args.prompts)
+            if rows.column("id").to_pylist()[: len(bundled)] != bundled:
+                raise RuntimeError("the input's first maths problems are not the bundled ones")
             chunk = args.chunk or block_rows(job, rows.num_rows)
             started = time.perf_counter()
             for v in variants:
@@ -305,6 +354,7 @@ def main() -> None:
             )
             print(report(variants, heading), flush=True)
             print(flush=True)
+    shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

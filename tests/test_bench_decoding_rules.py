@@ -29,6 +29,19 @@ def test_exact_mcnemar_and_wilson_by_hand():
     assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
     low, high = bench.wilson(115, 200)  # 57.5%
     assert (low, high) == (pytest.approx(0.5058, abs=1e-4), pytest.approx(0.6414, abs=1e-4))
+    assert bench.paired_difference(0, 0, 200) == (0.0, 0.0)
+    diff, half = bench.paired_difference(3, 0, 200)
+    assert diff == -0.015 and half == pytest.approx(1.96 * ((0.015 - 0.015**2) / 200) ** 0.5)
+
+
+def test_more_prompts_than_the_bundled_maths_continue_the_held_out_set(tmp_path):
+    assert bench.heldout_input(314, tmp_path) == "builtin:prompts/heldout.jsonl"
+    path = bench.heldout_input(400, tmp_path)
+    variants = bench.make_variants("sdar-nano", 8, [f"input.path={path}"], drafters=False)
+    assert [v.drafter for v in variants] == ["none"] * 5
+    rows = bench.maths_rows(variants[0].job, 400)
+    ids = rows.column("id").to_pylist()
+    assert ids[:314] == [p["id"] for p in heldout_prompts(["math"], 400)] and len(set(ids)) == 400
 
 
 def test_variants_are_the_drafters_the_registry_serves_each_rule_with():
