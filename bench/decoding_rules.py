@@ -14,7 +14,8 @@ registry (`spot.drafters.registry.DRAFTERS`) says serves the rule and that is bu
 Prompts: the first --prompts held-out *maths* problems of spot/builtin/prompts/heldout.jsonl,
 the set docs/benchmarks.md §1 scores (`spot_factory.target_quality.heldout_prompts`); past
 its 314, the corpus's own held-out set continues it (`spot_factory.corpus.heldout_prompt_set`,
-whose first 400 examples the file holds: problems whose key training never used). A
+whose first 400 examples the file holds: problems whose key training never used; the corpus
+has 533 distinct held-out maths problems, --prompts 520 takes nearly all). A
 completion is right when its final answer equals the row's `answer` column
 (`spot_factory.corpus.is_correct`, the scorer of `spot-factory evaluate-target`).
 
@@ -60,7 +61,6 @@ from pipeline.job import Job, load_job  # noqa: E402
 from spot.builtin import builtin_drafter  # noqa: E402
 from spot.drafters.registry import DRAFTERS  # noqa: E402
 from spot_factory.corpus import (  # noqa: E402
-    MATH_SHARE,
     heldout_prompt_set,
     is_correct,
     write_jsonl,
@@ -69,6 +69,7 @@ from spot_factory.target_quality import heldout_prompts  # noqa: E402
 
 JOB = ROOT / "jobs" / "synthetic.yaml"
 FAMILIES = {"sdar-tiny": "sdar", "sdar-nano": "sdar", "llada-tiny": "llada"}
+HELDOUT_EXAMPLES = 1000  # held-out examples written when --prompts exceeds the bundled file's
 DRAFTER_NAMES = {"none": "draft-free", "spot": "SPOT", "spiffy": "Spiffy", "spot-sets": "SPOT-Sets"}
 
 
@@ -197,15 +198,15 @@ def maths_rows(job: Job, count: int) -> pa.Table:
     return maths
 
 
-def heldout_input(count: int, folder: Path) -> str:
-    """An input path holding at least `count` held-out maths problems, the first of them those
-    `heldout_prompts` gives §1: the bundled file, or past its maths problems the corpus's own
-    held-out set written to `folder` (the bundled file is its first 400 examples)."""
+def heldout_input(count: int, folder: Path, examples: int = HELDOUT_EXAMPLES) -> str:
+    """An input path whose first maths problems are the `count` held-out ones `heldout_prompts`
+    gives §1 and past its 314 those of the corpus's own held-out set, written to `folder`: its
+    first `examples` examples (the bundled file holds the first 400; 1000 hold 531 of the
+    corpus's 533 held-out maths problems with distinct keys)."""
     if len(heldout_prompts(["math"], count)) == count:
         return "builtin:prompts/heldout.jsonl"
-    examples = heldout_prompt_set(0, math.ceil(count / MATH_SHARE * 1.1) + 100)
-    path = folder / f"heldout-{len(examples)}.jsonl"
-    write_jsonl(path, examples)
+    path = folder / f"heldout-{examples}.jsonl"
+    write_jsonl(path, heldout_prompt_set(0, examples))
     return str(path)
 
 

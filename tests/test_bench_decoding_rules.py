@@ -36,12 +36,14 @@ def test_exact_mcnemar_and_wilson_by_hand():
 
 def test_more_prompts_than_the_bundled_maths_continue_the_held_out_set(tmp_path):
     assert bench.heldout_input(314, tmp_path) == "builtin:prompts/heldout.jsonl"
-    path = bench.heldout_input(400, tmp_path)
+    path = bench.heldout_input(320, tmp_path, examples=450)
     variants = bench.make_variants("sdar-nano", 8, [f"input.path={path}"], drafters=False)
     assert [v.drafter for v in variants] == ["none"] * 5
-    rows = bench.maths_rows(variants[0].job, 400)
+    rows = bench.maths_rows(variants[0].job, 320)
     ids = rows.column("id").to_pylist()
-    assert ids[:314] == [p["id"] for p in heldout_prompts(["math"], 400)] and len(set(ids)) == 400
+    assert ids[:314] == [p["id"] for p in heldout_prompts(["math"], 320)] and len(set(ids)) == 320
+    with pytest.raises(ValueError, match="holds 3.. maths problems, not 500"):
+        bench.maths_rows(variants[0].job, 500)
 
 
 def test_variants_are_the_drafters_the_registry_serves_each_rule_with():
