@@ -29,7 +29,8 @@ process's CPU time, steadier while other work loads the machine); absolute token
 Accuracy (first pass) comes with a Wilson 95% interval and a paired comparison with static
 draft-free decoding on the same prompts: how many completions differ at all, how many
 answers the variant loses and gains, the exact two-sided McNemar p-value of those flips, and
-the accuracy difference with its paired 95% interval.
+the accuracy difference with its paired 95% interval. "well-formed": worked lines and a final
+`#### n` line, right or wrong (`spot_factory.corpus.is_well_formed`).
 "exact" compares each drafted variant's tokens with the draft-free decoding of its own rule
 (speculative decoding is lossless), and `sdar_dynamic` at one token per step with threshold
 decoding at the same τ (the same commits but for a confidence exactly at τ).
@@ -63,6 +64,7 @@ from spot.drafters.registry import DRAFTERS  # noqa: E402
 from spot_factory.corpus import (  # noqa: E402
     heldout_prompt_set,
     is_correct,
+    is_well_formed,
     write_jsonl,
 )
 from spot_factory.target_quality import heldout_prompts  # noqa: E402
@@ -134,13 +136,21 @@ class Variant:
         return all(other == ids[0] for other in ids[1:])
 
     def correct(self) -> list[bool]:
+        """Whether each completion's final answer is the row's `answer`."""
+        return [is_correct(item, text) for item, text in self._scored()]
+
+    def well_formed(self) -> list[bool]:
+        """Whether each completion has the shape of a worked solution (see `is_well_formed`)."""
+        return [is_well_formed(item, text) for item, text in self._scored()]
+
+    def _scored(self) -> list[tuple[dict, str]]:
         table = self.table
         rows = zip(
             table.column("kind").to_pylist(),
             table.column("answer").to_pylist(),
             table.column("completion").to_pylist(),
         )
-        return [is_correct({"kind": k, "answer": a}, c or "") for k, a, c in rows]
+        return [({"kind": k, "answer": a}, c or "") for k, a, c in rows]
 
 
 def _tokens(out: pa.Table) -> int:
@@ -275,11 +285,11 @@ def report(variants: list[Variant], heading: str) -> str:
     lines = [
         heading,
         "",
-        "| rule | drafter | accuracy (95% CI) | answers lost / gained vs static (p) "
+        "| rule | drafter | accuracy (95% CI) | well-formed | answers lost / gained vs static (p) "
         "| difference (95% CI) "
         "| completions ≠ static | NFE mean | steps/forward | tokens/row | tokens/s (noisy) "
         "| vs static draft-free (turns' IQR) | per CPU second | budget auto used | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in variants:
         correct, ids = v.correct(), v.token_ids()
@@ -301,7 +311,8 @@ def report(variants: list[Variant], heading: str) -> str:
         steps = pc.sum(table.column("steps")).as_py()
         lines.append(
             f"| {v.rule.label} | {DRAFTER_NAMES[v.drafter]} | {right / n:.1%} "
-            f"({low:.1%}-{high:.1%}) | {lost} / {gained} ({mcnemar_p(lost, gained):.2f}) "
+            f"({low:.1%}-{high:.1%}) | {sum(v.well_formed()) / n:.1%} "
+            f"| {lost} / {gained} ({mcnemar_p(lost, gained):.2f}) "
             f"| {diff:+.1%} ± {half:.1%} "
             f"| {changed} | {nfe / n:.1f} | {steps / nfe:.2f} | {_tokens(table) / n:.1f} "
             f"| {rate:.0f} | {rate / base_rate:.2f}x ({q1:.2f}-{q3:.2f}) | {cpu_ratio:.2f}x "
