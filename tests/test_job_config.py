@@ -10,8 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
+from click.testing import CliRunner
 from pydantic import TypeAdapter
 
+from pipeline.cli import main
 from pipeline.inputs import output_names, plan_input
 from pipeline.job import DecodingSection, JobError, apply_overrides, load_job, parse_job
 from pipeline.locations import Kind, Location
@@ -56,6 +58,30 @@ def test_every_shipped_job_validates(job_file: Path):
 
 def test_shipped_jobs_exist():
     assert [p.name for p in JOBS if p.name == "synthetic.yaml"] == ["synthetic.yaml"]
+
+
+def test_the_quick_start_job_takes_the_drafters_its_comment_offers(tmp_path):
+    """jobs/synthetic.yaml decodes draft-free with threshold decoding; the drafters its comment
+    offers for that rule validate through the CLI, SPOT (static rule only) is refused naming
+    the key, and with `decoding.rule=static` SPOT validates (the README's table)."""
+    job = next(p for p in JOBS if p.name == "synthetic.yaml")
+    shipped = load_job(job)
+    assert shipped.drafter.kind == "none" and shipped.decoding.rule is CommitRule.THRESHOLD
+
+    def validate(*overrides: str):
+        args = ["validate", str(job), "--set", f"output.path={tmp_path / 'out'}"]
+        for override in overrides:
+            args += ["--set", override]
+        return CliRunner().invoke(main, args)
+
+    for kind in ("spot-sets", "spiffy"):
+        result = validate(f"drafter.kind={kind}")
+        assert result.exit_code == 0, result.output
+    refused = validate("drafter.kind=spot")
+    assert refused.exit_code == 2
+    assert "drafter.kind: spot drafts for the static rule, not decoding.rule" in refused.output
+    result = validate("decoding.rule=static", "drafter.kind=spot")
+    assert result.exit_code == 0, result.output
 
 
 def test_valid_job_round_trips(files):
