@@ -79,11 +79,12 @@ def test_engine_completions_score_as_evaluate_target_does():
     ]
     rows = bench.maths_rows(variants[0].job, 7)
     for v in variants:
-        v.engine = bench.Engine(v.job)
+        v.start()
     bench.take_turns(variants, rows, chunk=3, passes=2)
     for v in variants:
         assert [len(p) for p in v.passes] == [3, 3] and len(v.chunk_rates) == 6
         assert v.table.column("id") == rows.column("id") and v.repeatable()
+        assert v.start_cpu_seconds > 0
 
     static = variants[0]
     prompts = heldout_prompts(["math"], 7)
