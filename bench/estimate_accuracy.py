@@ -5,7 +5,7 @@ then the job itself, each a `spot-pipeline` command in a subprocess, on the same
     .venv/bin/python bench/estimate_accuracy.py --job jobs/synthetic.yaml --case 400=input.limit=400
 
 Each --case is NAME=KEY=VALUE[;KEY=VALUE] job overrides (`--set`). The default cases: the
-quick-start job (jobs/synthetic.yaml: sdar-tiny, SPOT auto, 64 tokens) on 400 bundled prompts
+quick-start job (jobs/synthetic.yaml: sdar-tiny, 64 tokens) on 400 bundled prompts
 and on 2,000 rows (the same 400 prompts x 5 samples), and the same row counts with the fast
 target of bench/pipeline_scale.py (sdar-nano, draft-free, 16 tokens), where the pipeline's
 fixed start is most of the run. The projection is the configured line of `estimate --json`
