@@ -13,11 +13,11 @@ registry (`spot.drafters.registry.DRAFTERS`) says serves the rule and that is bu
 
 Prompts: the first --prompts held-out *maths* problems of spot/builtin/prompts/heldout.jsonl,
 the set docs/benchmarks.md §1 scores (`spot_factory.target_quality.heldout_prompts`); past
-its 314, the corpus's own held-out set continues it (`spot_factory.corpus.heldout_prompt_set`,
+its 314, the corpus's own held-out set continues it (`spot_common.corpus.heldout_prompt_set`,
 whose first 400 examples the file holds: problems whose key training never used; the corpus
 has 533 distinct held-out maths problems, --prompts 520 takes nearly all). A
 completion is right when its final answer equals the row's `answer` column
-(`spot_factory.corpus.is_correct`, the scorer of `spot-factory evaluate-target`).
+(`spot_common.corpus.is_correct`, the scorer of `spot-factory evaluate-target`).
 
 The variants take turns, one call of the job's engine at a time (--chunk rows: by default the
 rows one replica call takes on a job of this size, `pipeline.estimate.block_rows`), the order
@@ -32,7 +32,7 @@ Accuracy (first pass) comes with a Wilson 95% interval and a paired comparison w
 draft-free decoding on the same prompts: how many completions differ at all, how many
 answers the variant loses and gains, the exact two-sided McNemar p-value of those flips, and
 the accuracy difference with its paired 95% interval. "well-formed": worked lines and a final
-`#### n` line, right or wrong (`spot_factory.corpus.is_well_formed`).
+`#### n` line, right or wrong (`spot_common.corpus.is_well_formed`).
 "exact" compares each drafted variant's tokens with the draft-free decoding of its own rule
 (speculative decoding is lossless), and `sdar_dynamic` at one token per step with threshold
 decoding at the same τ (the same commits but for a confidence exactly at τ).
@@ -63,7 +63,7 @@ from pipeline.estimate import block_rows, sample_rows  # noqa: E402
 from pipeline.job import Job, load_job  # noqa: E402
 from spot.builtin import builtin_drafter  # noqa: E402
 from spot.drafters.registry import DRAFTERS  # noqa: E402
-from spot_factory.corpus import (  # noqa: E402
+from spot_common.corpus import (  # noqa: E402
     heldout_prompt_set,
     is_correct,
     is_well_formed,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spot_factory.corpus import is_correct
+from spot_common.corpus import is_correct
 from spot_factory.target_quality import evaluate, heldout_prompts
 
 spec = importlib.util.spec_from_file_location(
