@@ -201,12 +201,39 @@ class DecodingSection(DecodingConfig):
         "(finish_reason `stop`), its token ids at the token that holds the stop's start.",
     )
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        """A single string is one stop string (`stop: "####"`, `--set decoding.stop=####`)."""
+        return (value,) if isinstance(value, str) else value
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.seed < 0:  # a job's seed is recorded and compared as written
             raise ValueError("seed must be >= 0")
         if any(not stop for stop in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.samples_per_prompt > 1 and self.greedy_setting():
+            key, remedy = self.greedy_setting()
+            n = self.samples_per_prompt
+            raise ValueError(
+                f"samples_per_prompt ({n}) with {key} makes {n} identical completions at "
+                f"{n}x the cost: set {remedy} to sample, or decoding.samples_per_prompt: 1"
+            )
+
+    def greedy_setting(self) -> tuple[str, str] | None:
+        """The setting that makes every sample of a prompt the same completion, and what
+        to change instead, as messages name them; None when samples differ. Temperature 0 is
+        greedy; so is top_k 1 at any temperature (the noise then picks the likeliest token
+        every time, and confidences do not depend on it)."""
+        if self.temperature == 0:
+            return "decoding.temperature 0 (greedy)", "decoding.temperature above 0"
+        if self.top_k == 1:
+            return (
+                "decoding.top_k 1 (greedy at any decoding.temperature)",
+                "decoding.top_k above 1 (or null)",
+            )
+        return None
 
     def to_config(self) -> DecodingConfig:
         """The decoding core's own config (samples_per_prompt and stop are the pipeline's)."""
@@ -391,7 +418,9 @@ def _one_of(names: Sequence[str]) -> str:
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
-    """`key.path=value` pairs; values are YAML scalars (`8`, `0.5`, `true`, `null`, `text`)."""
+    """`key.path=value` pairs; values are YAML, as the job file writes them: `8`, `0.5`,
+    `true`, `null`, `text`, lists (`["####", "Q:"]`) and mappings (`{replicas: 2}`). A value
+    YAML reads as a comment (`####`) is that text."""
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -401,16 +430,30 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as error:
-            raise JobError([f"{key}: cannot parse value {raw!r}: {error}"]) from error
-        if isinstance(value, dict | list):
-            raise JobError([f"{key}: --set takes a scalar value, got {raw!r}"])
+            reason = _yaml_problem(error)
+            raise JobError([f"{key}: --set cannot parse {raw!r} as YAML: {reason}"]) from error
+        if value is None and raw.strip() not in _YAML_NULLS:
+            value = raw  # text YAML reads as a comment, not a null someone wrote
         parsed.append((keys, value))
     return parsed
 
 
+_YAML_NULLS = ("null", "Null", "NULL", "~")
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What YAML found wrong, in one line ("expected ',' or ']' at column 6")."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(error).split())
+    return problem if mark is None else f"{problem} at column {mark.column + 1}"
+
+
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """A copy of `data` with the overrides applied; unknown keys are left for the schema to
-    reject, with their full path."""
+    """A copy of `data` with the overrides applied: a mapping is merged into the mapping it
+    names (`--set 'resources={replicas: 2}'` keeps the other resources keys), any other
+    value replaces it. Unknown keys are left for the schema to reject, with their full
+    path."""
     data = yaml.safe_load(yaml.safe_dump(data))
     for keys, value in parse_overrides(overrides):
         node = data
@@ -420,8 +463,15 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
                 path = ".".join(keys[: depth + 1])
                 raise JobError([f"{path}: is {child!r}, not a section; cannot set {keys[-1]}"])
             node = child
-        node[keys[-1]] = value
+        node[keys[-1]] = _merged(node.get(keys[-1]), value)
     return data
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """`new` merged into `old` where both are mappings (recursively), else `new`."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    return {**old, **{key: _merged(old.get(key), value) for key, value in new.items()}}
 
 
 def _format_validation_error(error: ValidationError) -> list[str]:

@@ -16,7 +16,8 @@ set_option = click.option(
     "overrides",
     multiple=True,
     metavar="KEY.PATH=VALUE",
-    help="Override a job key, e.g. --set decoding.temperature=0.7 (repeatable).",
+    help="Override a job key, its value written as in YAML: --set decoding.temperature=0.7, "
+    "--set input.limit=null, --set 'decoding.stop=[\"####\"]' (repeatable).",
 )
 
 

@@ -87,7 +87,7 @@ def test_bad_jobs_are_rejected_before_ray_starts(job_file: Path):
 
 def test_submit_then_report(job_file: Path):
     out = job_file.parent / "out"
-    samples = ("--set", "decoding.samples_per_prompt=2")
+    samples = ("--set", "decoding.samples_per_prompt=2", "--set", "decoding.temperature=0.8")
     submit = run_cli("submit", str(job_file), *samples, "--progress-interval", "2")
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "0 already written, 12 to generate" in submit.stdout
@@ -259,6 +259,41 @@ def test_a_family_the_checkpoint_is_not_is_refused(job_file: Path):
     for command in ("validate", "submit"):
         output = _refused(job_file, "--set", "model.family=llada", command=command)
         assert expected in output
+
+
+def test_several_samples_at_temperature_zero_are_refused(job_file: Path):
+    """Samples of a greedy decoding would be the same completion: refused, naming both keys,
+    by validate (here through the installed command) and by submit before Ray starts."""
+    samples = ("--set", "decoding.samples_per_prompt=3")
+    result = run_cli("validate", str(job_file), *samples, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"invalid job {job_file}:",
+        "  decoding.samples_per_prompt: samples_per_prompt (3) with decoding.temperature 0 "
+        "(greedy) makes 3 identical completions at 3x the cost: set decoding.temperature "
+        "above 0 to sample, or decoding.samples_per_prompt: 1",
+    ]
+    sampled = ("--set", "decoding.temperature=0.7")
+    output = _refused(job_file, *samples, *sampled, "--set", "decoding.top_k=1", command="submit")
+    assert "with decoding.top_k 1 (greedy at any decoding.temperature)" in output
+    assert CliRunner().invoke(main, ["validate", str(job_file), *samples, *sampled]).exit_code == 0
+
+
+def test_set_takes_yaml_lists_nulls_and_mappings(job_file: Path):
+    overrides = [
+        "--set",
+        'decoding.stop=["####", "Q:"]',
+        "--set",
+        "input.limit=null",
+        "--set",
+        "resources={batch_size: 2}",
+    ]
+    result = run_cli("validate", str(job_file), *overrides, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("ok: test: 6 rows"), result.stderr
+    output = _refused(job_file, "--set", "decoding.stop=[1]")
+    assert "  decoding.stop.0: Input should be a valid string (got 1)" in output
+    output = _refused(job_file, "--set", "decoding.stop=[1", command="submit")
+    assert "  decoding.stop: --set cannot parse '[1' as YAML: expected ',' or ']'" in output
 
 
 def test_an_output_path_that_is_a_file_or_inside_one_is_refused(job_file: Path, tmp_path: Path):

@@ -122,7 +122,7 @@ def job_file(tmp_path_factory):
         prompts,
         model,
         root / "out",
-        decoding={"samples_per_prompt": 2},
+        decoding={"samples_per_prompt": 2, "temperature": 0.8},
         resources={"replicas": 2, "batch_size": 4, "num_cpus": 1, "num_gpus": 0},
         cost={"usd_per_replica_hour": 3.0},
     )

@@ -180,7 +180,7 @@ def test_chat_template_needs_a_template(files):
     assert load_job(_write(files["root"], data)).input.chat_template is False
 
 
-def test_overrides_are_yaml_scalars_and_checked(files):
+def test_overrides_are_yaml_values_and_checked(files):
     path = _write(files["root"], job_dict(files["prompts"], files["model"], files["root"] / "o"))
     job = load_job(
         path,
@@ -198,7 +198,56 @@ def test_overrides_are_yaml_scalars_and_checked(files):
     assert _problems(path, ["decoding.tempreature=0.5"]) == ["decoding.tempreature: unknown key"]
     assert _problems(path, ["name.first=x"])[0].startswith("name: is 'test', not a section")
     assert _problems(path, ["decoding"])[0].startswith("--set decoding: expected key.path=value")
-    assert _problems(path, ["decoding.seed=[1, 2]"])[0].startswith("decoding.seed: --set takes")
+    assert _problems(path, ["decoding.seed=[1, 2]"]) == [
+        "decoding.seed: Input should be a valid integer (got [1, 2])"
+    ]
+    assert _problems(path, ["decoding.seed=[1, 2"]) == [
+        "decoding.seed: --set cannot parse '[1, 2' as YAML: expected ',' or ']', but got "
+        "'<stream end>' at column 6"
+    ]
+    assert _problems(path, ["decoding.stop=[1]"]) == [
+        "decoding.stop.0: Input should be a valid string (got 1)"
+    ]
+
+
+def test_overrides_set_lists_mappings_and_text_yaml_reads_as_a_comment(files):
+    path = _write(files["root"], job_dict(files["prompts"], files["model"], files["root"] / "o"))
+    job = load_job(
+        path,
+        [
+            'decoding.stop=["####", "Q: "]',
+            "resources={replicas: 2, batch_size: 3}",
+            "decoding.top_p=null",
+        ],
+    )
+    assert job.decoding.stop == ("####", "Q: ") and job.decoding.top_p is None
+    assert (job.resources.replicas, job.resources.batch_size) == (2, 3)
+    assert job.resources.num_cpus == 0.5  # a mapping merges into the section
+    assert load_job(path, ["decoding.stop=####"]).decoding.stop == ("####",)
+    assert load_job(path, ["name=#1"]).name == "#1"
+    assert _problems(path, ["resources={replicas: 2, batch_sze: 3}"]) == [
+        "resources.batch_sze: unknown key"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("decoding", "names"),
+    [
+        ({"samples_per_prompt": 3}, "with decoding.temperature 0 (greedy)"),
+        (
+            {"samples_per_prompt": 2, "temperature": 0.8, "top_k": 1},
+            "with decoding.top_k 1 (greedy at any decoding.temperature)",
+        ),
+    ],
+)
+def test_several_samples_of_a_greedy_decoding_are_refused(files, decoding, names):
+    data = job_dict(files["prompts"], files["model"], files["root"] / "o", decoding=decoding)
+    [problem] = _problems(_write(files["root"], data))
+    assert problem.startswith("decoding.samples_per_prompt: samples_per_prompt ")
+    assert names in problem and problem.endswith("or decoding.samples_per_prompt: 1")
+    sampled = {**decoding, "temperature": 0.8, "top_k": 2}
+    data = job_dict(files["prompts"], files["model"], files["root"] / "o", decoding=sampled)
+    assert load_job(_write(files["root"], data)).decoding.samples_per_prompt > 1
 
 
 def test_overrides_leave_the_original_untouched():
