@@ -1,7 +1,8 @@
 """`spot-pipeline`: submit, validate and report batch-generation jobs.
 
-Commands are imported only when used (so `--help` and `validate` start fast). To add one,
-write a click command in its own module and name it in COMMANDS.
+Commands are imported only when used, and `--help` lists them from COMMANDS without
+importing them, so `--help` and `validate` start fast (neither imports torch or ray). To add
+one, write a click command in its own module and name it in COMMANDS with its short help.
 """
 
 from __future__ import annotations
@@ -15,17 +16,40 @@ import click
 from pipeline.job_options import load_or_exit, or_exit, plan_or_exit, set_option
 from spot_common.cli import LazyGroup
 
-COMMANDS = {
-    "report": "pipeline.report:report_command",
-    "estimate": "pipeline.estimate_command:estimate_command",
-    "record-trajectories": "pipeline.drafter_training:record_command",
-    "train-drafter": "pipeline.drafter_training:train_command",
-    "calibrate-spiffy": "pipeline.drafter_training:calibrate_command",
-    "calibrate-spot": "pipeline.drafter_training:calibrate_spot_command",
+COMMANDS = {  # name: (module:attribute, the command's short help, listed by --help)
+    "report": (
+        "pipeline.report:report_command",
+        "Print the summary of OUTPUT_DIR and write plots and an HTML page under it.",
+    ),
+    "estimate": (
+        "pipeline.estimate_command:estimate_command",
+        "Run JOB_FILE on a sample of its input here and project wall time, GPU-hours and "
+        "cost of the whole input on the job's resources and on larger clusters.",
+    ),
+    "record-trajectories": (
+        "pipeline.drafter_training:record_command",
+        "Run the target's own draft-free decoding and store what drafters learn from.",
+    ),
+    "train-drafter": (
+        "pipeline.drafter_training:train_command",
+        "Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories.",
+    ),
+    "calibrate-spiffy": (
+        "pipeline.drafter_training:calibrate_command",
+        "Calibrate Spiffy's draft graph on traced draft-free trajectories.",
+    ),
+    "calibrate-spot": (
+        "pipeline.drafter_training:calibrate_spot_command",
+        "Choose a trained SPOT checkpoint's tree sharpness by measured acceptance.",
+    ),
 }
 
 
-@click.group(cls=LazyGroup, lazy_commands=COMMANDS)
+@click.group(
+    cls=LazyGroup,
+    lazy_commands={name: target for name, (target, _) in COMMANDS.items()},
+    summaries={name: summary for name, (_, summary) in COMMANDS.items()},
+)
 @click.version_option(package_name="spot-pipeline", prog_name="spot-pipeline")
 def main() -> None:
     """Lossless speculative decoding (SPOT) for diffusion LMs, as Ray Data batch jobs."""

@@ -17,33 +17,19 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
 from tqdm import tqdm
 
-from pipeline.drafter_data import corpus_prompts, encode, file_prompts, load_model_and_tokenizer
 from pipeline.job_options import load_or_exit, plan_or_exit, set_option
 from spot.config import CommitRule, DecodingConfig
-from spot.drafters.files import save_order_model
-from spot.drafters.recipes import (
-    OBJECTIVES,
-    choose_prior_scale,
-    measure_acceptance,
-    record_trajectories,
-    recorded_decoding,
-    train_spot,
-    train_spot_sets,
-    trained_on,
-)
-from spot.drafters.registry import load_order_model
-from spot.drafters.spiffy import calibrate
-from spot.drafters.spot import SpotDrafter
-from spot.drafters.spot_sets import SpotSetsDrafter
-from spot.drafters.trajectory import Trajectories
-from spot.drafting import Drafter
-from spot.target import Target
+
+if TYPE_CHECKING:  # the commands import torch and the recipes when they run, not for --help
+    from spot.drafters.trajectory import Trajectories
+    from spot.drafting import Drafter
+    from spot.target import Target
 
 RECORDED = DecodingConfig(gen_length=64)
 """record-trajectories --model's decoding by default: the core's, with the 64-token
@@ -153,6 +139,9 @@ def record_command(
 
 def _record_here(model_path, out, prompts, batch_size, hidden, kw) -> None:
     """The single-process recording: bundled corpus prompts, one file."""
+    from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
+    from spot.drafters.recipes import record_trajectories
+
     config = _config(kw)
     tokenizer, target = load_model_and_tokenizer(model_path)
     requests = encode(tokenizer, corpus_prompts("train", prompts, kw["seed"]))
@@ -168,6 +157,8 @@ def _record_here(model_path, out, prompts, batch_size, hidden, kw) -> None:
 
 def _load_trajectories(path: str) -> Trajectories:
     """A recording file or shard folder; one that cannot be read is a bad --trajectories."""
+    from spot.drafters.trajectory import Trajectories
+
     try:
         return Trajectories.load(path)
     except ValueError as error:
@@ -191,6 +182,8 @@ _prompts_file_option = click.option(
 
 def _measure_prompts(prompts_file, count, skip, bundled):
     """`count` prompts from --prompts-file (after `skip`), else `bundled()`."""
+    from pipeline.drafter_data import file_prompts
+
     if prompts_file is None:
         return bundled()
     try:
@@ -236,12 +229,19 @@ class Trainer:
 
 
 def _train_spot(traj, target, options: TrainingOptions, progress: Progress):
+    from spot.drafters.recipes import train_spot
+    from spot.drafters.spot import SpotDrafter
+
     objective = options.objective or "order"
     model, metrics = train_spot(traj, options.epochs, options.heldout, objective, progress=progress)
     return model, metrics, SpotDrafter(model, options.budget)
 
 
 def _train_spot_sets(traj, target, options: TrainingOptions, progress: Progress):
+    from spot.drafters.recipes import train_spot_sets
+    from spot.drafters.registry import load_order_model
+    from spot.drafters.spot_sets import SpotSetsDrafter
+
     if traj.hidden is None:
         raise click.UsageError("SPOT-Sets needs trajectories recorded with --hidden")
     source = None
@@ -267,6 +267,20 @@ TRAINERS = {
 """A trainer per kind of spot.drafters.registry whose files hold a network."""
 
 
+def _objective(name: str | None) -> str | None:
+    """--objective: None, or a name of the recipes' OBJECTIVES (checked when given, so
+    `--help` does not import the recipes)."""
+    if name is None:
+        return None
+    from spot.drafters.recipes import OBJECTIVES
+
+    if name not in OBJECTIVES:
+        raise click.BadParameter(
+            f"{name!r} is not one of {', '.join(map(repr, sorted(OBJECTIVES)))}"
+        )
+    return name
+
+
 @click.command("train-drafter")
 @click.option("--kind", type=click.Choice(list(TRAINERS)), default="spot")
 @_trajectories_option
@@ -287,8 +301,8 @@ TRAINERS = {
 )
 @click.option(
     "--objective",
-    type=click.Choice(sorted(OBJECTIVES)),
     default=None,
+    callback=lambda ctx, param, name: _objective(name),
     help="spot only: `order` (default; every shipped SPOT drafter), the order of the next 8 "
     "commits from each tree root (what a tree reads its root's scores as; wants more "
     "trajectories); `next`, the next commit from hypotheses 1-8 steps past each stale forward",
@@ -308,6 +322,10 @@ def train_command(
     objective,
 ):
     """Train the SPOT order model (or the SPOT-Sets set model) on recorded trajectories."""
+    from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
+    from spot.drafters.files import save_order_model
+    from spot.drafters.recipes import measure_acceptance, recorded_decoding, trained_on
+
     options = TrainingOptions(epochs, heldout, budget, objective, adapt_from)
     for name, value in vars(options).items():
         owner = next((k for k, t in TRAINERS.items() if name in t.own_options), None)
@@ -347,6 +365,8 @@ def train_command(
 @click.option("--depth", default=8, show_default=True)
 def calibrate_command(trajectories, out, budget, depth):
     """Calibrate Spiffy's draft graph on traced draft-free trajectories."""
+    from spot.drafters.spiffy import calibrate
+
     graph = calibrate(_load_trajectories(trajectories), budget, depth)
     graph.save(out)
     click.echo(f"{len(graph.paths)} nodes, deepest {max(map(len, graph.paths))} -> {out}")
@@ -389,6 +409,12 @@ def calibrate_spot_command(
     candidate, keeps the one with the most steps per forward, and rewrites the checkpoint
     with it and its acceptance curve on held-out prompts. With --prompts-file, the first
     `--prompts` rows validate and the next `--eval-prompts` measure the curve."""
+    from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokenizer
+    from spot.drafters.files import save_order_model
+    from spot.drafters.recipes import choose_prior_scale, measure_acceptance, recorded_decoding
+    from spot.drafters.registry import load_order_model
+    from spot.drafters.spot import SpotDrafter
+
     model, header = load_order_model(path, "spot")
     config = recorded_decoding(header["trained_on"])
     # the trajectories took the corpus stream of their decoding seed; validate on the next one

@@ -36,6 +36,7 @@ from pipeline.locations import GLOB_CHARACTERS, Kind, Location
 from spot.builtin import builtin_drafter
 from spot.config import CommitRule, DecodingConfig
 from spot.drafters.registry import DRAFTERS, drafter_kind
+from spot.models.family_index import FAMILY_INDEX, family_reading
 from spot.models.hub import hub_problem
 
 
@@ -406,10 +407,8 @@ class Job(_Section):
 
 
 def family_names() -> list[str]:
-    """The target families of the registry, sorted (imports it, and torch, on first use)."""
-    from spot.models.registry import families
-
-    return sorted(families())
+    """The target families, sorted (from their index: no torch)."""
+    return sorted(FAMILY_INDEX)
 
 
 def _one_of(names: Sequence[str]) -> str:
@@ -566,12 +565,9 @@ def _model_problems(model: Location, model_dir: Path | None) -> list[str]:
 def checkpoint_family(model_dir: Path) -> tuple[Any, str | None]:
     """The model_type the checkpoint's config.json declares and the family that reads it
     (None when no known family does)."""
-    from spot.models.registry import families
-
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    found = (f.name for f in families().values() if model_type in f.model_types)
-    return model_type, next(found, None)
+    return model_type, family_reading(model_type)
 
 
 def _family_problems(family: str | None, model_dir: Path) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from pipeline.cli import COMMANDS, main
 from spot.builtin import resolve_builtin
 from tests.pipeline_fixtures import (
     job_dict,
@@ -57,6 +57,52 @@ def test_help_everywhere():
         result = runner.invoke(main, [command, "--help"])
         assert result.exit_code == 0, (command, result.output)
         assert "Usage:" in result.output
+
+
+HEAVY = ("torch", "ray")
+MODULES_AFTER = f"""
+import json, sys
+from pipeline.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})))
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        *([name, "--help"] for name in ["submit", "validate", *sorted(COMMANDS)]),
+        ["validate", "jobs/synthetic.yaml"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_help_and_validate_import_neither_torch_nor_ray(args: list[str]):
+    """`spot-pipeline --help`, every command's --help and validating the shipped job start
+    without torch or ray (seconds each, more on a busy machine): read from sys.modules in a
+    fresh interpreter, not timed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", MODULES_AFTER, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Usage:" in result.stdout or result.stdout.startswith("ok: ")
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
+def test_help_lists_each_command_with_its_own_short_help():
+    """The summaries --help lists without importing the commands are the commands' own."""
+    for name, (_, summary) in COMMANDS.items():
+        command = main.get_command(None, name)
+        assert command.get_short_help_str(limit=1000) == summary, name
 
 
 def test_version_is_the_installed_package_version():

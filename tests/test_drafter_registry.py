@@ -1,5 +1,6 @@
-"""The drafter registry: each kind's rules are its drafter class's, every bundled drafter file
-is named as its kind names it and loads through the registry, and unknown kinds are named."""
+"""The drafter registry: each kind's drafter class drafts for the kind's rules, every bundled
+drafter file is named as its kind names it and loads through the registry, and unknown kinds
+are named."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from spot.drafters.spot import SpotDrafter
 from spot.drafters.spot_sets import SpotSetsDrafter
 
 
-def test_rules_are_the_drafter_classes_own():
+def test_drafter_classes_draft_for_their_kinds_rules():
     classes = {"spiffy": SpiffyDrafter, "spot": SpotDrafter, "spot-sets": SpotSetsDrafter}
     assert set(DRAFTERS) == set(classes)
     for name, cls in classes.items():
         assert DRAFTERS[name].drafter_class is cls
-        assert DRAFTERS[name].rules == tuple(CommitRule(r) for r in cls.rules)
+        assert cls.rules == DRAFTERS[name].rules
     served = {rule for kind in DRAFTERS.values() for rule in kind.rules}
     assert served == set(CommitRule)  # every rule has a drafter
 

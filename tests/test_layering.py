@@ -13,7 +13,7 @@ runs as soon as the function does, and one under `if TYPE_CHECKING:` still ties 
 together (the job and the tensor-parallel target once imported each other that way). For the
 rules on what a package may use, so does a module-level string naming a project module, alone
 or as "module:attribute": what `importlib` resolves from a registry or a command table
-(`spot.models.registry.FAMILY_MODULES`, `pipeline.cli.COMMANDS`, the drafter kinds) is
+(`spot.models.family_index.FAMILY_INDEX`, `pipeline.cli.COMMANDS`, the drafter kinds) is
 imported all the same, only later. Not for cycles: a table names its entries by string so that
 they may import it (to register, to take its helpers), the one-way reference a plugin needs.
 """
@@ -160,7 +160,7 @@ def test_the_module_graph_is_read():
     assert "spot.models.tensor_parallel" in modules["pipeline.engine"].imports  # in a function
     assert "spot.models.tensor_parallel" not in modules["pipeline.engine"].at_top
     # importlib targets: a family module list, a command table, a drafter class
-    assert "spot.models.llada2" in modules["spot.models.registry"].targets
+    assert "spot.models.llada2" in modules["spot.models.family_index"].targets
     assert "pipeline.report" in modules["pipeline.cli"].targets
     assert "spot.drafters.spot" in modules["spot.drafters.registry"].targets
     assert "pipeline.cli" not in modules["pipeline.runner"].targets  # a Ray job's command

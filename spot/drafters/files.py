@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +17,8 @@ if TYPE_CHECKING:
 
 def save_order_model(path: str | Path, model: nn.Module, kind: str, meta: dict) -> None:
     """Write a drafter network of `kind` (its config in the header, with `meta`)."""
+    from safetensors.torch import save_file
+
     header = {"kind": kind, "config": model.config.to_dict(), **meta}
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -25,7 +26,9 @@ def save_order_model(path: str | Path, model: nn.Module, kind: str, meta: dict) 
 
 
 def read_header(path: str | Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
+    """The JSON description in the file's header (read without torch: a job's drafter is
+    checked before anything imports it)."""
+    with safe_open(str(path), framework="numpy") as f:
         metadata = f.metadata() or {}
     if "spot" not in metadata:
         raise ValueError(f"{path} is not a drafter checkpoint of this project")

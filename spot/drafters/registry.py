@@ -1,10 +1,10 @@
 """The drafter kinds, in one table: what each drafts for, how its file is named and read.
 
 `DRAFTERS["spot"]` answers every question the rest of the project asks about a kind: the
-commit rules it serves (its drafter class's own `rules`), the file name of a bundled drafter,
-how to load one for a target and budget, and its acceptance curve (steps per forward by
-budget, which `drafter.budget: auto` weighs against the forward cost). A new kind is one
-entry here.
+commit rules it serves (`spot.drafters.rules`, which its class declares too), the file name
+of a bundled drafter, how to load one for a target and budget, and its acceptance curve
+(steps per forward by budget, which `drafter.budget: auto` weighs against the forward cost).
+A new kind is one entry here.
 
 Importing this module is cheap: drafter classes and torch are imported when a kind is used.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spot.config import CommitRule
+from spot.drafters.rules import SPIFFY_RULES, SPOT_RULES, SPOT_SETS_RULES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,6 +33,8 @@ class DrafterKind:
     """One kind of drafter.
 
     drafter: its class as "module:Class", imported on first use.
+    rules: the commit rules it drafts for (`spot.drafters.rules`: known without importing
+      the class, or torch).
     suffix: the extension of its files ("safetensors": a network with a JSON header,
       `spot.drafters.files`; "json": a Spiffy draft graph).
     load: (path, budget, target) -> the drafter stored at path, drafting `budget` nodes.
@@ -45,6 +48,7 @@ class DrafterKind:
     suffix: str
     load: Callable[[str | Path, int, Target], Drafter]
     curve: Callable[[str | Path], AcceptanceCurve]
+    rules: tuple[CommitRule, ...]
     network: Callable[[dict[str, Any]], nn.Module] | None = None
     one_token_per_static_step: bool = False
 
@@ -52,11 +56,6 @@ class DrafterKind:
     def drafter_class(self) -> type:
         module, name = self.drafter.split(":")
         return getattr(importlib.import_module(module), name)
-
-    @property
-    def rules(self) -> tuple[CommitRule, ...]:
-        """The commit rules it drafts for, as its drafter class declares them."""
-        return tuple(CommitRule(rule) for rule in self.drafter_class.rules)
 
     def file_name(self, block_length: int, rule: str = CommitRule.STATIC) -> str:
         """File name of a bundled drafter of this kind: one per block length and rule."""
@@ -147,6 +146,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             "json",
             _load_spiffy,
             _predicted_curve,
+            rules=SPIFFY_RULES,
             one_token_per_static_step=True,
         ),
         DrafterKind(
@@ -155,6 +155,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             "safetensors",
             _load_spot,
             _measured_curve,
+            rules=SPOT_RULES,
             network=_order_model,
         ),
         DrafterKind(
@@ -163,6 +164,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             "safetensors",
             _load_spot_sets,
             _measured_curve,
+            rules=SPOT_SETS_RULES,
             network=_set_model,
         ),
     )

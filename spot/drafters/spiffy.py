@@ -27,6 +27,7 @@ import torch
 
 from spot.budget import AcceptanceCurve
 from spot.commit import confidence_order, select_commits
+from spot.drafters.rules import SPIFFY_RULES
 from spot.drafters.trajectory import Trajectories
 from spot.drafting import BudgetedDrafter, DraftInput, StepNoise
 from spot.tree import DraftTree, State, advance
@@ -145,7 +146,7 @@ class SpiffyDrafter(BudgetedDrafter):
     """Applies a calibrated draft graph to each root. `budget` drafts its most frequent
     paths (all of them when None); `keep` enables dynamic pruning."""
 
-    rules = ("static", "threshold")  # a graph is calibrated for one of them
+    rules = SPIFFY_RULES
 
     def __init__(self, graph: DraftGraph, budget: int | None = None, keep: int | None = None):
         self.calibrated = graph

@@ -27,6 +27,7 @@ from spot.drafters.order_model import (
     order_features,
     stale_top,
 )
+from spot.drafters.rules import SPOT_RULES
 from spot.drafting import BudgetedDrafter, DraftInput, StepNoise
 from spot.tree import DraftTree, State, advance
 
@@ -205,7 +206,7 @@ class SpotDrafter(BestFirstDrafter):
     """SPOT: the order model ranks the next committed position (static rule); with k tokens
     per step the other k-1 are the most confident remaining positions."""
 
-    rules = ("static",)
+    rules = SPOT_RULES
 
     def __init__(
         self,

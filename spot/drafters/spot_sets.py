@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from spot.drafters.order_model import DOUBT_SCALE, Encoder, Linear, OrderModelConfig
+from spot.drafters.rules import SPOT_SETS_RULES
 from spot.drafters.spot import BestFirstDrafter
 
 
@@ -112,7 +113,7 @@ def likely_sets(
 class SpotSetsDrafter(BestFirstDrafter):
     """SPOT-Sets for the threshold rules: children are likely next commit sets."""
 
-    rules = ("threshold", "sdar_dynamic")
+    rules = SPOT_SETS_RULES
     needs_hidden = True
 
     def __init__(

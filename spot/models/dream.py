@@ -49,7 +49,6 @@ EOS_ID = 151643  # <|endoftext|>, also pad and bos
 class Dream(Family):
     name = "dream"
     title = "Dream"
-    model_types = ("Dream",)
     architectures = ("DreamModel",)
     confidence = "tempered"
     block_causal = False

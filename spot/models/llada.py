@@ -46,7 +46,6 @@ _RENAMES = Renames(
 class LLaDA(Family):
     name = "llada"
     title = "LLaDA"
-    model_types = ("llada",)
     architectures = ("LLaDAModelLM",)
     confidence = "untempered"
     block_causal = False

@@ -117,7 +117,6 @@ _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\w+_proj)$")
 class LLaDA2(Family):
     name = "llada2"
     title = "LLaDA2"
-    model_types = ("llada2_moe",)
     architectures = ("LLaDA2MoeModelLM",)
     confidence = "tempered"
     block_causal = True

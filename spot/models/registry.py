@@ -17,15 +17,8 @@ from typing import Any
 import torch
 
 from spot.config import ConfidenceName
+from spot.models.family_index import FAMILY_INDEX
 from spot.models.transformer import Transformer, TransformerConfig
-
-# family modules registered on first lookup; a new family adds its module here
-FAMILY_MODULES = (
-    "spot.models.sdar",
-    "spot.models.llada",
-    "spot.models.dream",
-    "spot.models.llada2",
-)
 
 
 @dataclass(frozen=True)
@@ -93,7 +86,6 @@ class Family:
 
     name: str  # registry key and the `model_type` it writes
     title: str  # how messages name it
-    model_types: tuple[str, ...]  # config.json `model_type` values it reads
     architectures: tuple[str, ...]  # config.json `architectures` it writes
     confidence: ConfidenceName
     block_causal: bool
@@ -108,6 +100,11 @@ class Family:
     default_mask_id: int | None = None
     max_length_key: str = "max_position_embeddings"
     default_max_length: int | None = None
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """config.json `model_type` values it reads (`spot.models.family_index`)."""
+        return FAMILY_INDEX[self.name].model_types
 
     # -- config.json ------------------------------------------------------------------------
     def native_config(self, raw: Mapping[str, Any]) -> TransformerConfig:
@@ -211,6 +208,8 @@ _FAMILIES: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
+    if family.name not in FAMILY_INDEX:
+        raise ValueError(f"family {family.name!r} is not in spot.models.family_index")
     if family.name in _FAMILIES:
         raise ValueError(f"family {family.name!r} registered twice")
     _FAMILIES[family.name] = family
@@ -218,8 +217,8 @@ def register(family: Family) -> Family:
 
 
 def _load_builtin() -> None:
-    for module in FAMILY_MODULES:
-        importlib.import_module(module)
+    for family in FAMILY_INDEX.values():
+        importlib.import_module(family.module)
 
 
 def families() -> dict[str, Family]:

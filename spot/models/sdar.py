@@ -18,7 +18,6 @@ from spot.models.transformer import TransformerConfig
 class SDAR(Family):
     name = "sdar"
     title = "SDAR"
-    model_types = ("sdar",)
     architectures = ("SDARForCausalLM",)
     confidence = "tempered"
     block_causal = True
