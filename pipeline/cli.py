@@ -94,7 +94,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     "--overwrite",
     is_flag=True,
     help="Delete what output.path holds (rows, summary.json, report) and start again: the way "
-    "to reuse an output whose rows were made with other settings.",
+    "to reuse an output whose rows were made with other settings. Says what it removed "
+    "(part files and rows, counted first), on the terminal and in the run's log.",
 )
 def submit(
     job_file: str,
@@ -128,9 +129,12 @@ def submit(
         return
     if not in_cluster:
         prepare_embedded_ray()  # read by Ray when imported, just below
-    from pipeline.fingerprint import claim_output
+    from pipeline.fingerprint import claim_output, clearing_removes
     from pipeline.runner import Run, run_job
 
+    removes = (
+        or_exit(f"cannot submit {job_file}:", lambda: clearing_removes(job)) if overwrite else None
+    )
     output = or_exit(f"cannot submit {job_file}:", lambda: claim_output(job, overwrite))
     ray_address = "auto" if in_cluster else None
     failure: BaseException | None = None
@@ -141,6 +145,9 @@ def submit(
             click.echo(line, file=terminal)
             log.write(line + "\n")
 
+        if overwrite:
+            removed = f"removed {removes}" if removes else "nothing to remove"
+            echo(f"[{job.name}] --overwrite: {removed} in {output.uri} (logs/ kept)")
         bar = terminal if terminal.isatty() else None
         try:
             run_job(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from pipeline.job import Job, JobError, checkpoint_family
 from pipeline.output import DATA_DIR, REPORT_DIR, SUMMARY_FILE, OutputDir, write_atomically
@@ -162,6 +163,37 @@ def clear_output(output: OutputDir) -> None:
             filesystem.delete_dir(path)
         elif kind == pafs.FileType.File:
             filesystem.delete_file(path)
+
+
+def clearing_removes(job: Job) -> str | None:
+    """What `claim_output(job, overwrite=True)` would delete, counted before it does ("3
+    part files (64 rows), summary.json (2 runs), report/, fingerprint.json"); None when
+    there is nothing. Rows are read from the parts' footers."""
+    return _io(_contents, OutputDir(job.output.path))
+
+
+def _contents(output: OutputDir) -> str | None:
+    filesystem, found = output.filesystem, []
+    parts = output.part_files()
+    if parts:
+        rows = 0
+        for part in parts:
+            with filesystem.open_input_file(part) as file:
+                rows += pq.ParquetFile(file).metadata.num_rows
+        found.append(f"{_count(len(parts), 'part file')} ({_count(rows, 'row')})")
+    summary = output.read_summary()
+    if summary is not None:
+        found.append(f"{SUMMARY_FILE} ({_count(len(summary.get('runs', [])), 'run')})")
+    report = filesystem.get_file_info(posixpath.join(output.root, REPORT_DIR))
+    if report.type == pafs.FileType.Directory:
+        found.append(f"{REPORT_DIR}/")
+    if filesystem.get_file_info(_path(output)).type == pafs.FileType.File:
+        found.append(FINGERPRINT_FILE)
+    return ", ".join(found) or None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _path(output: OutputDir) -> str:

@@ -565,10 +565,19 @@ def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_p
         "submit", str(_nano_job(tmp_path, limit=6, drafter="none", batch_size=2)), "--overwrite"
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    removed = re.search(
+        r"^\[nano\] --overwrite: removed (\d+) part files? \(6 rows\), "
+        rf"summary.json \(3 runs\), fingerprint.json in {re.escape(str(out))} \(logs/ kept\)$",
+        again.stdout,
+        re.MULTILINE,
+    )
+    assert removed and int(removed[1]) >= 2, again.stdout  # counted before it was deleted
     assert "0 already written, 6 to generate" in again.stdout
     assert _tokens(out) == corpus
     assert json.loads((out / "summary.json").read_text())["totals"]["rows"] == 6
-    assert len(list((out / "logs").glob("submit-*.log"))) == 4  # the refusal ran nothing
+    logs = sorted((out / "logs").glob("submit-*.log"))
+    assert len(logs) == 4  # the refusal ran nothing
+    assert removed[0] in logs[-1].read_text()
 
 
 def test_a_failing_job_prints_one_message_and_keeps_the_log(tmp_path: Path):

@@ -8,6 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.fingerprint import (
@@ -15,6 +17,7 @@ from pipeline.fingerprint import (
     ResumeRefused,
     checkpoint_identity,
     claim_output,
+    clearing_removes,
     differences,
     fingerprint,
 )
@@ -84,3 +87,24 @@ def test_claiming_an_output(tmp_path: Path):
     assert "  decoding.temperature: 0.5 -> 0.0" in refused.value.problems
     claim_output(job, overwrite=True)
     assert not data.exists() and json.loads(path.read_text()) == fingerprint(job)
+
+
+def test_what_overwriting_removes_is_counted_before(tmp_path: Path):
+    job = _job(tmp_path)
+    assert clearing_removes(job) is None  # no folder yet
+    out = claim_output(job)
+    assert clearing_removes(job) == "fingerprint.json"
+    data = Path(out.data)
+    data.mkdir()
+    for name, rows in (("part-a.parquet", 3), ("part-b.parquet", 1)):
+        pq.write_table(pa.table({"id": list(range(rows))}), data / name)
+    (data / ".part-c.parquet.partial").write_bytes(b"half")  # not a part
+    Path(out.summary).write_text(json.dumps({"runs": [{}, {}]}))
+    Path(out.root, "report").mkdir()
+    Path(out.root, "logs").mkdir()
+    assert clearing_removes(job) == (
+        "2 part files (4 rows), summary.json (2 runs), report/, fingerprint.json"
+    )
+    claim_output(job, overwrite=True)
+    assert clearing_removes(job) == "fingerprint.json"  # the new job's own
+    assert Path(out.root, "logs").is_dir()
