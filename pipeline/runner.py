@@ -137,10 +137,13 @@ def run_job(
     )
     started = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.perf_counter()
-    progress = ProgressPrinter(job.name, pending, echo, progress_interval, progress_bar)
+    progress = ProgressPrinter(
+        job.name, pending, echo, progress_interval, progress_bar, job.resources.replicas
+    )
     failure = None
     try:
         if pending:
+            progress.starting_ray()
             with ray_session(job, ray_address), progress:
                 _execute(run, done, pending, actor_class, progress.counter)
     except BaseException as error:
@@ -152,15 +155,33 @@ def run_job(
         counted, written = output_totals(output, new_parts)
         previous = output.read_summary() or {}
         this_run = _run_record(job, written, started, wall, progress.samples, failure)
+        this_run.update(_decoding_and_phases(progress))
         summary = build_summary(job, counted, [*previous.get("runs", []), this_run])
         output.write_summary(summary)
-    totals = summary["totals"]
-    echo(
-        f"[{job.name}] done: {totals['rows']} rows ({totals['errors']} errors), "
-        f"{totals['generated_tokens']} tokens, mean NFE {totals.get('nfe_mean', 0.0):.1f}, "
-        f"{this_run['generated_tokens'] / max(wall, 1e-9):.1f} tok/s this run, {wall:.1f}s"
-    )
+    echo(_done_line(job, summary["totals"], this_run))
     return summary
+
+
+def _decoding_and_phases(progress: ProgressPrinter) -> dict[str, Any]:
+    """What a run's record keeps of its progress besides the samples: the decoding rate its
+    last progress line showed, and when each start-up phase was reached."""
+    return {
+        "decode_tokens_per_second": progress.decode_tokens_per_second,
+        "phases": progress.phases,
+    }
+
+
+def _done_line(job: Job, totals: dict[str, Any], run: dict[str, Any]) -> str:
+    """The run's last line: the output's totals, then this run's wall time and its two
+    named rates (over the run, start-up included; decoding, as the last progress line)."""
+    rate = run["tokens_per_second"] or 0.0
+    decoding = run.get("decode_tokens_per_second")
+    return (
+        f"[{job.name}] done: {totals['rows']} rows ({totals['errors']} errors), "
+        f"{totals['generated_tokens']} tokens, mean NFE {totals.get('nfe_mean', 0.0):.1f}; "
+        f"this run {run['wall_seconds']:.1f} s, {rate:.1f} tok/s over the run"
+        + ("" if decoding is None else f", {decoding:.1f} tok/s decoding")
+    )
 
 
 def _execute(

@@ -9,6 +9,7 @@ the replicas their model, in their own actors."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -220,6 +221,7 @@ class GenerationActor:
     replica: the driver never loads it.)"""
 
     def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
+        started = time.perf_counter()
         import torch
 
         from pipeline.engine import Engine
@@ -231,6 +233,8 @@ class GenerationActor:
         self.counts = (0, 0, 0, 0)
         if progress is not None:
             self.engine.on_batch = self._batch_done
+            replica = ray.get_runtime_context().get_actor_id() or ""
+            progress.ready.remote(replica, time.perf_counter() - started)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.block, self.counts = first_key(batch), (0, 0, 0, 0)

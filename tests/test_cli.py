@@ -138,8 +138,22 @@ def test_submit_then_report(job_file: Path):
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "0 already written, 12 to generate" in submit.stdout
     assert "[progress] 12/12 rows (0 errors)" in submit.stdout
+    lines = submit.stdout.splitlines()
+    assert "[test] starting Ray" in lines  # start-up phases before rows
+    assert any(line.startswith("[test] model loaded on 1/1 replicas (") for line in lines)
+    last_progress = [line for line in lines if line.startswith("[progress]")][-1]
+    decoding = re.search(r"\| (\S+) tok/s decoding \|", last_progress)[1]
+    assert re.match(
+        r"\[test\] done: 12 rows \(0 errors\), \d+ tokens, mean NFE [\d.]+; "
+        r"this run [\d.]+ s, [\d.]+ tok/s over the run",
+        lines[-1],
+    )
+    assert lines[-1].endswith("" if decoding == "-" else f", {decoding} tok/s decoding")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["totals"]["rows"] == 12 and summary["job"]["decoding"]["samples_per_prompt"] == 2
+    [run] = summary["runs"]
+    assert run["tokens_per_second"] == run["generated_tokens"] / run["wall_seconds"]
+    assert list(run["phases"]) == ["ray", "replicas_ready", "first_rows"]
     assert noise(submit.stdout + submit.stderr) == []  # Ray's lines went to the run's log
     [log] = (out / "logs").glob("submit-*.log")
     assert "0 already written, 12 to generate" in log.read_text()
