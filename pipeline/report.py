@@ -280,13 +280,15 @@ def sample_completions(output: OutputDir, lengths: Lengths) -> list[dict[str, An
 
 
 def length_text(lengths: Lengths, gen_length: int) -> str:
-    """ "p10 / p50 / p90 / p99 / max: 12 / 21 / 34 / 60 / 64 tokens (of gen_length 64)"."""
+    """ "p10 / p50 / p90 / p99 / max: 12 / 21 / 34 / 60 / 64 tokens (gen_length 64)": a
+    completion may pass gen_length by up to a block where the block grid is absolute (the
+    prompt's last partial block is decoded as the first, docs/design.md 1.1)."""
     if not lengths.counts:
         return "no completions yet"
     names = " / ".join([*(f"p{q}" for q in LENGTH_PERCENTILES), "max"])
     values = [lengths.percentile(q) for q in LENGTH_PERCENTILES] + [max(lengths.counts)]
     shown = " / ".join(f"{v:.0f}" for v in values)
-    return f"{names}: {shown} tokens (of gen_length {gen_length})"
+    return f"{names}: {shown} tokens (gen_length {gen_length})"
 
 
 def finish_rows(summary: dict[str, Any]) -> list[list[Any]]:
@@ -302,10 +304,12 @@ def report_words(
     classes: dict[tuple[int, int], Counter],
     lengths: Lengths,
     errors: list[tuple[str, int, list[dict]]],
+    last_status: bool = True,
 ) -> str:
     """The report's first paragraph, made from the summary's facts: "64 rows, 0 errors,
     40.8 s; SPOT saved 3.7% of forwards: at batch 8 on CPU, trees cost more than they save,
-    so budget auto drafted little (...)." and what follows it."""
+    so budget auto drafted little (...)." and what follows it. `last_status`: say how the
+    last run ended when it did not succeed (the page says it in a box of its own)."""
     totals, runs = summary["totals"], summary["runs"]
     opening = (
         f"{_count(totals['rows'], 'row')}, {_count(totals['errors'], 'error')}, "
@@ -316,7 +320,7 @@ def report_words(
     sentences = [f"{opening}; {_speculation_words(summary, classes)}."]
     sentences += _rate_words(summary)
     sentences += _completion_words(summary, lengths)
-    sentences += _trouble_words(summary, errors)
+    sentences += _trouble_words(summary, errors, last_status)
     return " ".join(sentences)
 
 
@@ -406,17 +410,19 @@ def _completion_words(summary: dict[str, Any], lengths: Lengths) -> list[str]:
         ended += "".join(f", {n} {where}" for n, where in rest)
     return [
         f"Completions are {median:.0f} tokens at the median (p90 {lengths.percentile(90):.0f}, "
-        f"longest {longest} of {summary['job']['decoding']['gen_length']}){ended}."
+        f"longest {longest}){ended}."
     ]
 
 
-def _trouble_words(summary: dict[str, Any], errors: list[tuple[str, int, list[dict]]]) -> list[str]:
+def _trouble_words(
+    summary: dict[str, Any], errors: list[tuple[str, int, list[dict]]], last_status: bool
+) -> list[str]:
     """What went wrong, worst first: the last run's end, lost runs, batch failures, error
     rows and their most frequent kind (`error_examples`)."""
     said = []
     runs = summary["runs"]
     last = runs[-1] if runs else None
-    if last is not None and run_status(last) != "succeeded":
+    if last_status and last is not None and run_status(last) != "succeeded":
         said.append(_status_sentence(last))
     lost = [r for r in runs[:-1] if run_status(r) == "lost"]
     if lost:
@@ -444,22 +450,31 @@ def _trouble_words(summary: dict[str, Any], errors: list[tuple[str, int, list[di
 def _status_sentence(run: dict[str, Any]) -> str:
     """The last run's end, when it did not succeed, and the way on."""
     status = run_status(run)
-    reason = (run.get("error") or "").rstrip(": ")
-    rows = _count(run.get("rows_written") or 0, "row")
+    reason = run_error(run).rstrip(": ")
+    written = run.get("rows_written") or 0
+    rows = _count(written, "row")
     if status == "interrupted":
-        return (
-            f"The last run was interrupted ({reason}) after writing {rows}; submit again to "
-            "continue."
-        )
+        after = f"after writing {rows}" if written else "before writing any row"
+        return f"The last run was interrupted ({reason}) {after}; submit again to continue."
     if status == "lost":
         return (
             f"The last run ended without writing its record (lost: killed, or its machine "
             f"lost); the {rows} it wrote are kept and counted; submit again to continue."
         )
+    if not written:
+        return f"The last run failed ({reason}) before writing any row; submit again to retry."
     return (
         f"The last run failed ({reason}) after writing {rows}; they are kept, and submitting "
         "again resumes."
     )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def run_error(run: dict[str, Any]) -> str:
+    """A run's error as recorded, without the terminal colour codes Ray puts in its own."""
+    return _ANSI.sub("", run.get("error") or "")
 
 
 def batch_failures(runs: list[dict[str, Any]]) -> Counter[str]:
@@ -634,7 +649,7 @@ def _runs_section(runs: list[dict[str, Any]]) -> str:
             number(r.get("tokens_per_second"), 1),
             number(r.get("decode_tokens_per_second"), 1),
             number((r.get("batch_failures") or {}).get("count", 0)),
-            r.get("error") or "",
+            run_error(r),
         ]
         for i, r in enumerate(runs)
     ]
@@ -834,7 +849,8 @@ def make_report(output_path: str) -> tuple[str, Path]:
     examples = error_examples(output)
     words = report_words(summary, classes, lengths, examples)
     write_plots(output, summary, report_dir, lengths)
-    write_html(summary, rows, report_dir, output, words, lengths, classes, examples)
+    lead = report_words(summary, classes, lengths, examples, last_status=False)
+    write_html(summary, rows, report_dir, output, lead, lengths, classes, examples)
     gen_length = summary["job"]["decoding"]["gen_length"]
     lines = [words, "", format_table(rows), "completions:"]
     lines.append(f"  lengths {length_text(lengths, gen_length)}")
@@ -843,7 +859,7 @@ def make_report(output_path: str) -> tuple[str, Path]:
     lines += [f"  {line}" for line in budget_lines(summary, classes)]
     lines.append("runs:")
     for i, run in enumerate(summary["runs"]):
-        error = f": {run['error']}" if run.get("error") else ""
+        error = f": {run_error(run)}" if run.get("error") else ""
         lines.append(
             f"  {i + 1}. {run.get('started_at', '-')} {run_status(run)}, "
             f"{number(run.get('rows_written'))} rows in {number(run.get('wall_seconds'), 1)} s"

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.job import parse_job
 from pipeline.output import OutputDir, write_part
-from pipeline.report import Lengths, error_kind, speculation
+from pipeline.report import Lengths, error_kind, run_error, run_status, speculation
 from pipeline.schema import GENERATED_FIELDS, ID, PROMPT, SAMPLE_INDEX
 from pipeline.summary import build_summary, output_totals
 from tests.pipeline_fixtures import job_dict
@@ -101,7 +101,7 @@ def test_report_shows_what_speculation_saved_and_what_went_wrong(output: Path):
         "18 rows, 6 errors, 1 min 12 s over 2 runs; SPOT saved 50.0% of forwards (2.00 "
         "decoding steps per forward): at batch 8 on CPU, budget auto drafted trees of 2 nodes "
         "most often (trees in 80% of iterations). 192 tokens at 2.7 tokens/s over the wall "
-        "time. Completions are 16 tokens at the median (p90 17, longest 17 of 16); 8 ended "
+        "time. Completions are 16 tokens at the median (p90 17, longest 17); 8 ended "
         "at EOS, 4 at gen_length. 6 rows could not be generated; 4 with \u201cprompt too "
         "long: N tokens + gen_length N need N positions, the target accepts N\u201d (see "
         "Errors)."
@@ -114,7 +114,7 @@ def test_report_shows_what_speculation_saved_and_what_went_wrong(output: Path):
     assert "USD / 1M tokens                           375.0000" in text
     assert "USD / 1M tokens draft-free (at most)      750.0000" in text
     assert "tokens / s over the wall time             2.7" in text
-    assert "  lengths p10 / p50 / p90 / p99 / max: 15 / 16 / 17 / 17 / 17 tokens" in text
+    assert "  lengths p10 / p50 / p90 / p99 / max: 15 / 16 / 17 / 17 / 17 tokens (gen" in text
     assert "  eos: 8 (44.4%)\n  error: 6 (33.3%)\n  length: 4 (22.2%)" in text
     assert "batch size 1: budget 3 (30 iterations; by budget 3: 100%)" in text
     assert "batch size 8-15: budget 2 (70 iterations; by budget 0: 29%, 2: 71%)" in text
@@ -234,3 +234,6 @@ def test_error_kinds_and_speculation_by_hand():
     assert saving["steps"] == 250 and saving["forwards_saved"] == 50
     assert saving["draft_free_cost_usd"] == pytest.approx(2.5)
     assert speculation({"totals": {"rows": 3}}) is None  # nothing generated yet
+    assert run_error({"error": "\x1b[36mray::Map()\x1b[39m (pid=1)"}) == "ray::Map() (pid=1)"
+    assert run_status({"status": "failed", "error": "KeyboardInterrupt: "}) == "interrupted"
+    assert run_status({"status": "lost", "error": "ended without its record"}) == "lost"
