@@ -13,9 +13,10 @@ replica's) generates --engine-rows of the same rows (a seeded sample) in blocks 
 pipeline's size (its rate excludes its model load), so a slow spell of this shared machine
 falls on both.
 
-Printed: rows/s of each, their ratio at each size, and the line `spot-pipeline estimate`
-projects with (`pipeline.estimate.PipelineOverhead`), fitted to the pipeline's wall times:
-wall = start + model load + rows / (rate share x the engine's rows/s).
+Printed: rows/s of each, their ratio at each size, and the line fitted to the pipeline's
+wall times: wall = start + model load + rows / (rate share x the engine's rows/s): what the
+pipeline adds to its engine (`spot-pipeline estimate` measures a run's start where it runs
+instead, by running the pipeline on a sample).
 Results also go to --json. The output folders are deleted at the end.
 """
 
@@ -192,7 +193,7 @@ def main() -> None:
         mine = [run for run in runs if run["variant"] == variant]
         if len(mine) < 2:
             continue
-        # estimate's model: wall = start + model load + rows / (share x the engine's rate),
+        # wall = start + model load + rows / (share x the engine's rate),
         # the engine's rate as measured beside each size
         engine_seconds = [r["rows"] / by_size[r["rows"]]["rows_per_second"] for r in mine]
         besides_load = [r["seconds"] - by_size[r["rows"]]["startup_seconds"] for r in mine]
@@ -203,7 +204,7 @@ def main() -> None:
         report["fits"][variant] = {"start_seconds": start, "rate_share": 1 / slope}
         print(
             f"{variant}: pipeline wall = {start:.1f} s + model load + rows / "
-            f"({1 / slope:.3f} x the engine's rows/s)  (estimate's PipelineOverhead)"
+            f"({1 / slope:.3f} x the engine's rows/s)"
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -1,18 +1,20 @@
 """Cost and throughput at cluster scale: measured rates of one replica projected onto a
 whole input, a corpus size and larger clusters.
 
-Rates come from two places: `spot-pipeline estimate JOB.yaml` runs the job's engine on a
-random sample of its input in this process (one replica, exactly as a Ray actor runs it: by
-default one block of the job's rows in one call), and a finished job's summary.json
-(`spot-pipeline report --corpus-tokens N`).
+Rates come from two places: `spot-pipeline estimate JOB.yaml` runs the job's own pipeline
+here (`measure_pipeline`: an embedded Ray, one replica, into a temporary output) on a random
+sample of its input, by default one block of the job's rows, timing this machine's start as
+it goes; and a finished job's summary.json (`spot-pipeline report --corpus-tokens N`).
+(`measure` runs the engine alone in this process, for the benchmarks that compare the two.)
 
 The projection model, stated with every table it prints (`ASSUMPTIONS`):
-- every replica of the cluster generates at the measured rate (replicas on the same kind of
-  hardware as the measurement) times the share of it a replica keeps inside the Ray pipeline
-  (`PIPELINE`), and replicas scale linearly: the data are split into blocks that replicas
-  take independently, so N replicas finish N times the rows per second;
-- a run first pays the pipeline's own start (driver, Ray, the replicas' processes, and the
-  summary at the end: `PIPELINE`), and every replica the measured start-up (model load) once;
+- a run pays once what the sample run paid besides generating (measured here, not fitted
+  elsewhere: the driver's imports and input plan, Ray's start, a replica's start and model
+  load, the last block's text stage and write, Ray's stop);
+- every replica of the cluster generates at the rate the sample's replica kept inside the
+  pipeline (replicas on the same kind of hardware as the measurement), and replicas scale
+  linearly: the data are split into blocks that replicas take independently, so N replicas
+  finish N times the rows per second;
 - a replica costs its replica-hour price (`cost.usd_per_replica_hour`, else
   `cost.usd_per_gpu_hour` times its GPUs) for the whole wall time, start-up included;
 - the sample's tokens per row and errors per row hold for the whole input.
@@ -20,11 +22,15 @@ The projection model, stated with every table it prints (`ASSUMPTIONS`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import shutil
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,27 +38,16 @@ import pyarrow.compute as pc
 
 from pipeline.job import CostConfig, Job
 
+if TYPE_CHECKING:
+    from pipeline.inputs import InputPlan
+
 CLUSTER_MULTIPLES = (1, 2, 4, 8, 16)
 
 
-@dataclass(frozen=True)
-class PipelineOverhead:
-    """What running inside the Ray pipeline adds to a replica's own generation."""
-
-    start_seconds: float  # a run's fixed cost besides the model load: driver, Ray, processes
-    rate_share: float  # share of the engine's rows per second a replica keeps in the pipeline
-
-
-PIPELINE = PipelineOverhead(start_seconds=14.7, rate_share=0.976)
-"""The pipeline measured against its engine on this project's reference machine (2 CPU
-cores, one replica, 400 to 20,000 rows: bench/pipeline_scale.py, docs/benchmarks.md §9.2)."""
-NO_OVERHEAD = PipelineOverhead(start_seconds=0.0, rate_share=1.0)
-
 ASSUMPTIONS = (
     "each replica runs at the measured rate (same hardware as the measurement)",
-    f"inside the pipeline a replica keeps {PIPELINE.rate_share:.1%} of the engine's rate and "
-    f"a run takes {PIPELINE.start_seconds:.0f} s to start and finish besides the model load "
-    "(measured on 2 CPU cores with bench/pipeline_scale.py)",
+    "a run starts and ends as the sample run did here (this process's imports and input "
+    "plan, Ray's start, a replica's start and model load, the last block's write, Ray's stop)",
     "replicas scale linearly (rows split into independent blocks)",
     "each replica pays the measured start-up once and is billed from start to finish",
     "tokens per row as in the measured rows",
@@ -65,7 +60,7 @@ class ReplicaRates:
 
     tokens_per_second: float  # generated tokens per second of generation
     tokens_per_row: float  # generated tokens per output row (error rows count 0)
-    startup_seconds: float  # model load and set-up before the first row
+    startup_seconds: float  # what a run pays once besides generating (see `Measurement`)
     gpus_per_replica: float
 
     @property
@@ -112,21 +107,15 @@ class Projection:
         }
 
 
-def project(
-    rates: ReplicaRates,
-    tokens: float,
-    replicas: int,
-    price: float,
-    overhead: PipelineOverhead = NO_OVERHEAD,
-) -> Projection:
-    """`tokens` generated by `replicas` replicas at `price` USD per replica-hour; `overhead`
-    is what the pipeline adds when the rates are the engine's own (not a finished job's)."""
+def project(rates: ReplicaRates, tokens: float, replicas: int, price: float) -> Projection:
+    """`tokens` generated by `replicas` replicas at `price` USD per replica-hour, after the
+    rates' start-up."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     if rates.tokens_per_second <= 0:
         raise ValueError("no tokens were generated: nothing to project from")
-    generating = tokens / (rates.tokens_per_second * overhead.rate_share * replicas)
-    wall_seconds = overhead.start_seconds + rates.startup_seconds + generating
+    generating = tokens / (rates.tokens_per_second * replicas)
+    wall_seconds = rates.startup_seconds + generating
     replica_hours = wall_seconds / 3600.0 * replicas
     return Projection(
         replicas=replicas,
@@ -191,7 +180,7 @@ def format_rates(rates: ReplicaRates, price: float) -> list[tuple[str, str]]:
         ("tokens / s per replica", f"{rates.tokens_per_second:,.2f}"),
         ("tokens / s per GPU", "-" if per_gpu is None else f"{per_gpu:,.2f}"),
         ("tokens per row", f"{rates.tokens_per_row:,.1f}"),
-        ("replica start-up (s)", f"{rates.startup_seconds:,.1f}"),
+        ("start-up and end of a run (s)", f"{rates.startup_seconds:,.1f}"),
         ("price per replica-hour (USD)", f"{price:,.4f}"),
     ]
     return rows
@@ -257,14 +246,32 @@ def corpus_projection(summary: dict[str, Any], corpus_tokens: float) -> str:
 
 # -- estimate a job before running it ---------------------------------------------------------
 @dataclass(frozen=True)
+class RunStart:
+    """What the sample run paid besides generating, in seconds: the start (and end) of a
+    run on this machine."""
+
+    driver: float  # this process's start, imports and input plan, before the run began
+    ray: float  # the run's start to Ray ready (embedded Ray started)
+    replica: float  # Ray ready to the replica's engine built (process, imports, model load)
+    rest: float  # the rest of the run besides generating: the first block's way to the
+    # replica, the last block's text stage and write, Ray's stop
+
+    @property
+    def total(self) -> float:
+        return self.driver + self.ray + self.replica + self.rest
+
+
+@dataclass(frozen=True)
 class Measurement:
-    """One replica generating a sample here."""
+    """One replica generating a sample here: in the job's pipeline (`start` measured), or
+    its engine alone in this process (`start` None; the start-up is the model load)."""
 
     rates: ReplicaRates
     sample_rows: int  # output rows generated (input rows x samples per prompt)
     errors: int
     nfe_per_row: float
     generate_seconds: float
+    start: RunStart | None = None
 
 
 def block_rows(job: Job, input_rows: int) -> int:
@@ -277,25 +284,126 @@ def block_rows(job: Job, input_rows: int) -> int:
     return min(block, job.resources.batch_size * MAX_BATCHES_PER_BLOCK)
 
 
-def sample_rows(job: Job, size: int | None, seed: int = 0) -> tuple[pa.Table, int]:
-    """A seeded random sample of `size` input rows (None: enough for one block of the whole
-    job, see `block_rows`) in the engine's input form (`stages.expand_rows`: renamed
-    columns, one row per sample, the errors a run marks before generation), and the number
-    of input rows."""
+def sample_input(
+    job: Job, size: int | None, seed: int = 0, plan: InputPlan | None = None
+) -> tuple[pa.Table, InputPlan]:
+    """A seeded random sample of `size` input rows as the input holds them (None: enough
+    for one block of the whole job, see `block_rows`), and the input's plan."""
     from pipeline.inputs import plan_input
-    from pipeline.stages import expand_rows
 
-    plan = plan_input(job.input)
+    plan = plan or plan_input(job.input)
     total = plan.num_rows
     if size is None:
         size = max(1, block_rows(job, total) // job.decoding.samples_per_prompt)
     chosen = np.sort(np.random.default_rng(seed).choice(total, min(size, total), replace=False))
-    rows = plan.rows().take(pa.array(chosen))
+    return plan.rows().take(pa.array(chosen)), plan
+
+
+def sample_rows(job: Job, size: int | None, seed: int = 0) -> tuple[pa.Table, int]:
+    """`sample_input` in the engine's input form (`stages.expand_rows`: renamed columns, one
+    row per sample, the errors a run marks before generation), and the number of input
+    rows."""
+    from pipeline.stages import expand_rows
+
+    rows, plan = sample_input(job, size, seed)
     samples = job.decoding.samples_per_prompt
     expanded = expand_rows(
         rows, config=job.input, samples=samples, duplicate_ids=plan.duplicate_ids
     )
-    return expanded, total
+    return expanded, plan.num_rows
+
+
+def measure_pipeline(
+    job: Job,
+    rows: pa.Table,
+    plan: InputPlan,
+    driver_seconds: float,
+    echo: Callable[[str], None],
+) -> Measurement:
+    """Run the job's own pipeline here on `rows` (input rows, as `sample_input` takes them;
+    `plan` the whole input's) with one replica, into a temporary output, as `submit` runs
+    it: an embedded Ray, the replica's actor, the text stages, the writes. What the run paid
+    besides generating is this machine's start (`RunStart`, with `driver_seconds`, this
+    process's own); the rate is the replica's from its engine built to its last rows. Ray's
+    and the libraries' lines go to a log in the temporary folder, removed afterwards unless
+    the run fails (the error names it). A GPU job on a machine without one runs on CPU; its
+    rates stay priced as the job's GPUs."""
+    from pipeline.inputs import id_keys
+    from pipeline.locations import Location
+    from pipeline.output import OutputDir
+    from pipeline.runlog import failure_reason, run_log
+    from pipeline.runner import Run, run_job
+
+    resources = {"replicas": 1}
+    if job.resources.num_gpus and not _cuda():
+        resources["num_gpus"] = 0.0
+    folder = tempfile.mkdtemp(prefix="spot-estimate-")
+    sample_job = job.model_copy(
+        update={
+            "resources": job.resources.model_copy(update=resources),
+            "output": job.output.model_copy(update={"path": Location.parse(folder)}),
+        }
+    )
+    keys = id_keys(rows.column(job.input.id_column))
+    sample = dataclasses.replace(plan, limited=rows, num_rows=rows.num_rows, keys=keys)
+    output = OutputDir(folder)
+    with run_log(output, "estimate") as (log_path, log):
+        try:
+            summary = run_job(
+                Run(sample_job, sample, output), echo=_also_to(log, echo), progress_interval=1e9
+            )
+        except Exception as error:
+            raise RuntimeError(f"{failure_reason(error)} (the full log: {log_path})") from error
+    shutil.rmtree(folder, ignore_errors=True)
+    return _pipeline_measurement(job, summary, driver_seconds)
+
+
+def _also_to(log, echo: Callable[[str], None]) -> Callable[[str], None]:
+    def both(line: str) -> None:
+        log.write(line + "\n")
+        echo(line)
+
+    return both
+
+
+def _pipeline_measurement(job: Job, summary: dict[str, Any], driver: float) -> Measurement:
+    """The rates and the start of a sample run, from its summary: generating is from the
+    replica's engine built to its last batch reported (`generating_seconds`)."""
+    [run] = summary["runs"]
+    totals, phases = summary["totals"], run.get("phases") or {}
+    if "replicas_ready" not in phases or not run.get("generating_seconds"):
+        raise RuntimeError("the sample run's replica never reported its engine built")
+    rows = totals["rows"]
+    generating = run["generating_seconds"]
+    tokens = totals["generated_tokens"]
+    start = RunStart(
+        driver=driver,
+        ray=phases["ray"],
+        replica=phases["replicas_ready"] - phases["ray"],
+        rest=run["wall_seconds"] - phases["replicas_ready"] - generating,
+    )
+    rates = ReplicaRates(
+        tokens_per_second=tokens / generating,
+        tokens_per_row=tokens / rows if rows else 0.0,
+        startup_seconds=start.total,
+        gpus_per_replica=job.resources.num_gpus,
+    )
+    ok_rows = rows - totals["errors"]
+    nfe = totals.get("nfe_total", 0) / ok_rows if ok_rows else 0.0
+    return Measurement(rates, rows, totals["errors"], nfe, generating, start)
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (its interpreter's start, imports included)."""
+    import psutil
+
+    return time.time() - psutil.Process(os.getpid()).create_time()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def measure(job: Job, rows: pa.Table, block: int | None = None) -> Measurement:
@@ -308,7 +416,7 @@ def measure(job: Job, rows: pa.Table, block: int | None = None) -> Measurement:
     from pipeline.engine import Engine
 
     gpus = job.resources.num_gpus
-    if gpus and not torch.cuda.is_available():
+    if gpus and not _cuda():
         job = job.model_copy(
             update={"resources": job.resources.model_copy(update={"num_gpus": 0.0})}
         )
@@ -364,16 +472,14 @@ class Estimate:
 
 def plan_estimate(job: Job, measurement: Measurement, input_rows: int) -> Estimate:
     """Project the whole input on the configured cluster and on larger ones (no more
-    replicas than batches of work), the pipeline's overhead included."""
-    import torch
-
+    replicas than batches of work), the measured start-up included."""
     rates = measurement.rates
     price = job.cost.replica_hour_price(job.resources.num_gpus)
     output_rows = input_rows * job.decoding.samples_per_prompt
     tokens = output_rows * rates.tokens_per_row
     batches = math.ceil(output_rows / job.resources.batch_size)
     sizes = cluster_sizes(job.resources.replicas, most_useful=batches)
-    device = "GPU" if job.resources.num_gpus and torch.cuda.is_available() else "CPU"
+    device = "GPU" if job.resources.num_gpus and _cuda() else "CPU"
     return Estimate(
         job=job,
         measurement=measurement,
@@ -382,7 +488,7 @@ def plan_estimate(job: Job, measurement: Measurement, input_rows: int) -> Estima
         output_rows=output_rows,
         tokens=tokens,
         price=price,
-        projections=[project(rates, tokens, size, price, PIPELINE) for size in sizes],
+        projections=[project(rates, tokens, size, price) for size in sizes],
     )
 
 
@@ -402,6 +508,13 @@ def estimate_report(estimate: Estimate) -> str:
     configured = estimate.projections[0]
     lines = [f"{job.name}: measured on this machine ({estimate.device}), one replica"]
     lines += [f"  {label:<{width}}  {value}" for label, value in measured]
+    start = measurement.start
+    if start is not None:
+        lines.append(
+            f"  start-up here: this process {start.driver:.1f} s, Ray {start.ray:.1f} s, "
+            f"a replica's start and model load {start.replica:.1f} s, the rest of the run "
+            f"besides generating {start.rest:.1f} s"
+        )
     lines.append(
         f"whole input: {estimate.input_rows:,} rows x {job.decoding.samples_per_prompt} samples"
         f" = {estimate.output_rows:,} rows, about {estimate.tokens:,.0f} generated tokens"
@@ -433,13 +546,10 @@ def estimate_json(estimate: Estimate) -> dict[str, Any]:
             "tokens_per_second_per_replica": rates.tokens_per_second,
             "tokens_per_second_per_gpu": rates.tokens_per_gpu_second,
             "tokens_per_row": rates.tokens_per_row,
-            "replica_startup_seconds": rates.startup_seconds,
+            "startup_seconds": rates.startup_seconds,
             "usd_per_replica_hour": estimate.price,
         },
-        "pipeline": {
-            "start_seconds": PIPELINE.start_seconds,
-            "rate_share": PIPELINE.rate_share,
-        },
+        "start": None if measurement.start is None else dataclasses.asdict(measurement.start),
         "input_rows": estimate.input_rows,
         "samples_per_prompt": estimate.job.decoding.samples_per_prompt,
         "output_rows": estimate.output_rows,

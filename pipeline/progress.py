@@ -58,6 +58,7 @@ class Progress:
     rows_per_second: float | None = None
     replicas_ready: int = 0
     load_seconds: float | None = None
+    generating_seconds: float | None = None  # the first replica ready to the last report
 
 
 @ray.remote(num_cpus=0)
@@ -70,23 +71,30 @@ class ProgressCounter:
         self.totals: Counts = (0, 0, 0, 0)
         self.first: tuple[float, Counts] | None = None  # when the first batch was reported
         self.loaded: dict[str, float] = {}  # replica (actor id): seconds its engine took
+        self.ready_at: float | None = None  # when the first replica's engine was built
+        self.reported_at: float | None = None  # when the last batch was reported
 
     def ready(self, replica: str, seconds: float) -> None:
         """Replica `replica` built its engine in `seconds` (a restarted one reports again,
         under the same actor id: counted once)."""
         self.loaded[replica] = seconds
+        if self.ready_at is None:
+            self.ready_at = time.monotonic()
 
     def report(self, call: str, counts: Counts) -> None:
         """`counts` of the rows of block `call` so far (they replace its earlier ones)."""
         before = self.calls.get(call, (0, 0, 0, 0))
         self.calls[call] = counts
         self.totals = tuple(t + n - b for t, n, b in zip(self.totals, counts, before))
+        self.reported_at = time.monotonic()
         if self.first is None:
             self.first = (time.monotonic(), self.totals)
 
     def read(self) -> Progress:
-        loaded = {"replicas_ready": len(self.loaded)}
+        loaded: dict[str, Any] = {"replicas_ready": len(self.loaded)}
         loaded["load_seconds"] = max(self.loaded.values()) if self.loaded else None
+        if self.ready_at is not None and self.reported_at is not None:
+            loaded["generating_seconds"] = max(0.0, self.reported_at - self.ready_at)
         if self.first is None:
             return Progress(*self.totals, **loaded)
         seconds = time.monotonic() - self.first[0]
@@ -137,6 +145,12 @@ class ProgressPrinter:
     def decode_tokens_per_second(self) -> float | None:
         """The decoding rate last read (None before two batches were reported)."""
         return self.progress.tokens_per_second
+
+    @property
+    def generating_seconds(self) -> float | None:
+        """From the first replica's engine built to the last batch reported, as last read
+        (timed by the counter itself, not the driver's polls)."""
+        return self.progress.generating_seconds
 
     def starting_ray(self) -> None:
         """Say that Ray is starting (or being connected to): the first phase."""

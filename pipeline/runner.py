@@ -164,10 +164,12 @@ def run_job(
 
 def _decoding_and_phases(progress: ProgressPrinter) -> dict[str, Any]:
     """What a run's record keeps of its progress besides the samples: the decoding rate its
-    last progress line showed, and when each start-up phase was reached."""
+    last progress line showed, when each start-up phase was reached, and the seconds from the
+    first replica ready to the last rows reported."""
     return {
         "decode_tokens_per_second": progress.decode_tokens_per_second,
         "phases": progress.phases,
+        "generating_seconds": progress.generating_seconds,
     }
 
 

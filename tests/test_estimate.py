@@ -1,6 +1,7 @@
 """Cost at cluster scale: the projection arithmetic, the report's per-replica / per-GPU rates and
-corpus projection from a summary, and `spot-pipeline estimate` generating a sample of a job's
-input on this machine with one replica's engine."""
+corpus projection from a summary, one replica's engine measured on a sample, and
+`spot-pipeline estimate` running a sample of a job's input through the job's own pipeline
+here, this machine's start measured as it goes."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.estimate import (
-    PIPELINE,
-    PipelineOverhead,
     ReplicaRates,
     block_rows,
     cluster_rows,
@@ -29,7 +28,7 @@ from pipeline.estimate import (
     sample_rows,
 )
 from pipeline.job import JobError, load_job, parse_job
-from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
+from tests.pipeline_fixtures import job_dict, make_tiny_sdar, run_cli, word_prompts, write_prompts
 
 INPUT_ROWS = 30
 
@@ -49,10 +48,6 @@ def test_projection_arithmetic():
         project(rates, 1.0, 0, 1.0)
     assert cluster_sizes(2) == [2, 4, 8, 16, 32]
     assert cluster_sizes(2, most_useful=9) == [2, 4, 8]  # no more replicas than batches
-    # inside the pipeline: its own start, and a replica at 0.8 of the engine's rate
-    slower = project(rates, 3.6e6, 10, 5.0, PipelineOverhead(start_seconds=36.0, rate_share=0.8))
-    assert slower.wall_seconds == pytest.approx(36.0 + 360.0 + 3600 / 0.8)
-    assert slower.replica_hours == pytest.approx(10 * slower.wall_seconds / 3600)
 
 
 def test_durations_read_as_a_person_reads_them():
@@ -150,43 +145,56 @@ def test_estimate_measures_one_replica_on_a_sample(job_file):
     assert {line.split()[0] for line in table} == {"0"}  # a CPU job: no GPUs
     assert [int(line.split()[1]) for line in table] == [2, 4, 8]  # 15 batches: 16 would idle
     tokens = 2 * INPUT_ROWS * rates.tokens_per_row
-    expected = project(rates, tokens, 2, 3.0, PIPELINE)  # the pipeline's overhead included
+    expected = project(rates, tokens, 2, 3.0)
     assert estimate.projections[0] == expected
     assert table[0][18:30].strip() == format_duration(expected.wall_seconds)
     assert f"about {estimate_json(estimate)['configured']['wall']}" in report
     assert float(table[0].split()[-2]) == pytest.approx(expected.cost_usd, abs=0.01)
 
 
-def test_estimate_command(job_file):
-    result = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "2"])
-    assert result.exit_code == 0, result.output
-    assert "whole input: 30 rows" in result.output and "assumptions:" in result.output
-    assert " h " not in result.output.split("configured:")[1].splitlines()[0]  # seconds here
-    bad = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "0"])
-    assert bad.exit_code != 0 and "--sample" in bad.output
-
-
-def test_estimate_command_prints_the_same_projection_as_json(job_file):
-    args = ["estimate", str(job_file), "--sample", "2", "--set", "resources.replicas=1"]
-    result = CliRunner().invoke(main, [*args, "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)  # nothing but the JSON on stdout
+def test_estimate_runs_the_jobs_pipeline_and_measures_this_machines_start(job_file):
+    """The command through the installed entry point: one block of the job (the default
+    sample) through an embedded Ray and one replica; the start-up it projects is what that
+    run paid besides generating, measured phase by phase; only the JSON on stdout."""
+    result = run_cli("estimate", str(job_file), "--json", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
     assert data["input_rows"] == INPUT_ROWS and data["output_rows"] == 2 * INPUT_ROWS
-    assert data["sample"]["rows"] == 4 and data["pipeline"]["rate_share"] == PIPELINE.rate_share
-    counts = [entry["replicas"] for entry in data["projections"]]
-    assert counts == [1, 2, 4, 8]  # 15 batches of work: 16 replicas would idle
-    configured = data["configured"]
-    assert configured == data["projections"][0] and configured["replicas"] == 1
+    block = block_rows(load_job(job_file), INPUT_ROWS)
+    assert data["sample"]["rows"] == block // 2 * 2  # whole input rows of 2 samples each
+    start = data["start"]
+    assert set(start) == {"driver", "ray", "replica", "rest"}
+    assert start["driver"] > 0 and start["ray"] > 0 and start["replica"] > 0
     rates = data["rates"]
-    rate = rates["tokens_per_second_per_replica"] * PIPELINE.rate_share
-    assert configured["wall_seconds"] == pytest.approx(
-        PIPELINE.start_seconds + rates["replica_startup_seconds"] + data["generated_tokens"] / rate
-    )
+    assert rates["startup_seconds"] == pytest.approx(sum(start.values()))
+    counts = [entry["replicas"] for entry in data["projections"]]
+    assert counts == [2, 4, 8]  # 15 batches of work: 16 replicas would idle
+    configured = data["configured"]
+    assert configured == data["projections"][0]
+    tokens = data["generated_tokens"]
+    rate = rates["tokens_per_second_per_replica"]
+    assert configured["wall_seconds"] == pytest.approx(rates["startup_seconds"] + tokens / 2 / rate)
     for entry in data["projections"]:
         assert entry["wall"] == format_duration(entry["wall_seconds"])
         assert entry["cost_usd"] == pytest.approx(entry["replica_hours"] * 3.0)
-    text = CliRunner().invoke(main, args).output.split("configured:")[1].splitlines()[0]
+    assert "model loaded on 1/1 replicas" in result.stderr  # the sample run's own lines
+    assert "INFO" not in result.stderr  # Ray's went to the sample run's log
+
+
+def test_estimate_text_names_the_start_it_measured(job_file):
+    args = ["estimate", str(job_file), "--sample", "2", "--set", "resources.replicas=1"]
+    result = run_cli(*args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "whole input: 30 rows" in result.stdout and "assumptions:" in result.stdout
+    assert re.search(
+        r"start-up here: this process [\d.]+ s, Ray [\d.]+ s, a replica's start and model "
+        r"load [\d.]+ s, the rest of the run besides generating [\d.]+ s",
+        result.stdout,
+    )
+    text = result.stdout.split("configured:")[1].splitlines()[0]
     assert re.fullmatch(r" 1 replica\(s\), the first line: about (\d+ s|\d+ min( \d+ s)?)", text)
+    bad = CliRunner().invoke(main, ["estimate", str(job_file), "--sample", "0"])
+    assert bad.exit_code != 0 and "--sample" in bad.output
 
 
 def test_estimate_of_a_gpu_job_runs_on_cpu_here_and_prices_its_gpus(job_file):
@@ -202,15 +210,3 @@ def test_estimate_of_a_gpu_job_runs_on_cpu_here_and_prices_its_gpus(job_file):
     first = table[0]
     assert first[:2] == ["2", "2"]  # 2 replicas of 1 GPU
     assert float(first[-2]) == pytest.approx(float(first[-3]) * 2, abs=0.02)  # GPU-h x $2
-
-
-def test_estimate_samples_one_block_of_the_job_by_default(job_file):
-    """Without --sample, the sample is the rows a replica takes per call for the whole job
-    (a smaller one decodes with its batch less full than the job will)."""
-    job = load_job(job_file)
-    block = block_rows(job, INPUT_ROWS)
-    assert 4 <= block < 2 * INPUT_ROWS  # a block of batches, less than the whole input
-    result = CliRunner().invoke(main, ["estimate", str(job_file), "--json"])
-    assert result.exit_code == 0, result.output
-    sampled = json.loads(result.stdout)["sample"]["rows"]
-    assert sampled == block // 2 * 2  # whole input rows of 2 samples each
