@@ -12,7 +12,7 @@ token per step), threshold decoding at τ 0.9 and 0.7, and for SDAR targets `sda
 registry (`spot.drafters.registry.DRAFTERS`) says serves the rule and that is bundled for it.
 
 Prompts: the first --prompts held-out *maths* problems of spot/builtin/prompts/heldout.jsonl,
-the set docs/benchmarks.md §1 scores (`spot_factory.target_quality.heldout_prompts`); past
+the set docs/benchmarks.md §1 scores (`spot_common.corpus.heldout_prompts`); past
 its 314, the corpus's own held-out set continues it (`spot_common.corpus.heldout_prompt_set`,
 whose first 400 examples the file holds: problems whose key training never used; the corpus
 has 533 distinct held-out maths problems, --prompts 520 takes nearly all). A
@@ -65,11 +65,11 @@ from spot.builtin import builtin_drafter  # noqa: E402
 from spot.drafters.registry import DRAFTERS  # noqa: E402
 from spot_common.corpus import (  # noqa: E402
     heldout_prompt_set,
+    heldout_prompts,
     is_correct,
     is_well_formed,
     write_jsonl,
 )
-from spot_factory.target_quality import heldout_prompts  # noqa: E402
 
 JOB = ROOT / "jobs" / "synthetic.yaml"
 FAMILIES = {"sdar-tiny": "sdar", "sdar-nano": "sdar", "llada-tiny": "llada"}

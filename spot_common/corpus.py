@@ -14,7 +14,7 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -531,3 +531,11 @@ def heldout_prompt_set(seed: int = 0, count: int = 400) -> list[Example]:
         if len(chosen) == count:
             return list(chosen.values())
     raise AssertionError("unreachable: the stream is endless")
+
+
+def heldout_prompts(kinds: Sequence[str], count: int) -> list[dict]:
+    """The first `count` bundled held-out prompts of these kinds, in the bundled file's order."""
+    from spot.builtin import resolve_builtin
+
+    rows = read_jsonl(resolve_builtin("prompts/heldout.jsonl"))
+    return [r for r in rows if r["kind"] in kinds][:count]

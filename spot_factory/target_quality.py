@@ -26,7 +26,7 @@ from spot.models.loading import load_target
 from spot.noise import request_key
 from spot.target import Target
 from spot.tree import State
-from spot_common.corpus import is_correct, is_well_formed, read_jsonl
+from spot_common.corpus import heldout_prompts, is_correct, is_well_formed
 from spot_common.tokenizer import load_tokenizer
 from spot_factory.tokenizer import chat_prompt
 
@@ -139,11 +139,6 @@ def evaluate(
         seconds=seconds,
     )
     return row, completions
-
-
-def heldout_prompts(kinds: Sequence[str], count: int) -> list[dict]:
-    rows = read_jsonl(resolve_builtin("prompts/heldout.jsonl"))
-    return [r for r in rows if r["kind"] in kinds][:count]
 
 
 def markdown_table(rows: Sequence[QualityRow]) -> str:

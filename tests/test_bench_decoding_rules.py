@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spot_common.corpus import is_correct
-from spot_factory.target_quality import evaluate, heldout_prompts
+from spot_common.corpus import heldout_prompts, is_correct
+from spot_factory.target_quality import evaluate
 
 spec = importlib.util.spec_from_file_location(
     "bench_decoding_rules", Path(__file__).parents[1] / "bench" / "decoding_rules.py"

@@ -321,7 +321,7 @@ def test_a_family_the_checkpoint_is_not_is_refused(job_file: Path):
         assert expected in output
 
 
-def test_several_samples_at_temperature_zero_are_refused(job_file: Path):
+def test_several_samples_at_temperature_zero_are_refused(job_file: Path, tmp_path: Path):
     """Samples of a greedy decoding would be the same completion: refused, naming both keys,
     by validate (here through the installed command) and by submit before Ray starts."""
     samples = ("--set", "decoding.samples_per_prompt=3")
@@ -336,7 +336,9 @@ def test_several_samples_at_temperature_zero_are_refused(job_file: Path):
     sampled = ("--set", "decoding.temperature=0.7")
     output = _refused(job_file, *samples, *sampled, "--set", "decoding.top_k=1", command="submit")
     assert "with decoding.top_k 1 (greedy at any decoding.temperature)" in output
-    assert CliRunner().invoke(main, ["validate", str(job_file), *samples, *sampled]).exit_code == 0
+    fresh = ("--set", f"output.path={tmp_path / 'out'}")
+    result = CliRunner().invoke(main, ["validate", str(job_file), *samples, *sampled, *fresh])
+    assert result.exit_code == 0, result.output
 
 
 def test_set_takes_yaml_lists_nulls_and_mappings(job_file: Path):

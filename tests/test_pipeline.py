@@ -132,9 +132,10 @@ def sampled_one_replica(local_ray, setup):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def greedy_with_a_death(local_ray, setup):  # noqa: F811
-    """T=0, one replica, batches of 8, whose replica kills itself on its first batch; a
-    reader polls the output folder meanwhile. (job, summary, rows per part seen, failures)"""
-    job = _job(setup, "t0-r1-b8", 0.0, replicas=1, batch_size=8)
+    """T=0, one replica, batches of 4 (two blocks of its one sample a row), whose replica
+    kills itself on its first batch; a reader polls the output folder meanwhile. (job,
+    summary, rows per part seen, failures)"""
+    job = _job(setup, "t0-r1-b4", 0.0, replicas=1, batch_size=4)
     data = Path(job.output.path.text) / "data"
     seen: dict[str, int] = {}
     failures: list[str] = []
