@@ -341,8 +341,10 @@ def test_several_samples_at_temperature_zero_are_refused(job_file: Path, tmp_pat
     assert result.exit_code == 0, result.output
 
 
-def test_set_takes_yaml_lists_nulls_and_mappings(job_file: Path):
+def test_set_takes_yaml_lists_nulls_and_mappings(job_file: Path, tmp_path: Path):
     overrides = [
+        "--set",
+        f"output.path={tmp_path / 'out'}",
         "--set",
         'decoding.stop=["####", "Q:"]',
         "--set",
