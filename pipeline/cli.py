@@ -7,13 +7,20 @@ one, write a click command in its own module and name it in COMMANDS with its sh
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 import traceback
 
 import click
 
-from pipeline.job_options import load_or_exit, or_exit, plan_or_exit, set_option
+from pipeline.job_options import (
+    exits_on_job_error,
+    load_or_exit,
+    or_exit,
+    plan_or_exit,
+    set_option,
+)
 from spot_common.cli import LazyGroup
 
 COMMANDS = {  # name: (module:attribute, the command's short help, listed by --help)
@@ -62,9 +69,9 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE (schema, paths, builtins, input columns) without running it."""
     job = load_or_exit(job_file, overrides)
     plan = plan_or_exit(job, job_file)
-    from pipeline.fingerprint import check_resume
+    from pipeline.fingerprint import check_output
 
-    or_exit(f"invalid job {job_file}:", lambda: check_resume(job))
+    notes = or_exit(f"invalid job {job_file}:", lambda: check_output(job, plan))
     duplicates = plan.duplicate_ids.num_rows
     click.echo(
         f"ok: {job.name}: {plan.num_rows} rows in {len(plan.files)} file(s), "
@@ -73,6 +80,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     )
     if plan.unreadable:
         click.echo(f"  {plan.unreadable} row(s) cannot be read: they will be error rows")
+    for note in notes:
+        click.echo(f"  {note}")
 
 
 @click.command()
@@ -97,6 +106,21 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     "to reuse an output whose rows were made with other settings. Says what it removed "
     "(part files and rows, counted first), on the terminal and in the run's log.",
 )
+@click.option(
+    "--extend",
+    is_flag=True,
+    help="Accept an input that grew since the output's last submit (rows added to its files, "
+    "or files added) and generate its new rows; every row already written must still match "
+    "it.",
+)
+@click.option(
+    "--no-retry-failed",
+    "retry_failed",
+    flag_value=False,
+    default=True,
+    help="Keep the rows whose generation failed instead of generating them again (rows whose "
+    "input is at fault are never retried).",
+)
 def submit(
     job_file: str,
     overrides: tuple[str, ...],
@@ -104,6 +128,8 @@ def submit(
     in_cluster: bool,
     progress_interval: float,
     overwrite: bool,
+    extend: bool,
+    retry_failed: bool,
 ) -> None:
     """Run JOB_FILE: generate every row not yet in its output, then write summary.json.
 
@@ -120,7 +146,12 @@ def submit(
         client_token_from_environment()
         from pipeline.runner import submit_to_cluster
 
-        command = ("submit", "--overwrite") if overwrite else ("submit",)
+        flags = {
+            "--overwrite": overwrite,
+            "--extend": extend,
+            "--no-retry-failed": not retry_failed,
+        }
+        command = ("submit", *(flag for flag, given in flags.items() if given))
         try:  # the cluster checks the output and keeps the log, where it can reach them
             submit_to_cluster(job, address, echo=click.echo, command=command)
         except Exception as error:
@@ -129,17 +160,35 @@ def submit(
         return
     if not in_cluster:
         prepare_embedded_ray()  # read by Ray when imported, just below
-    from pipeline.fingerprint import claim_output, clearing_removes
-    from pipeline.runner import Run, run_job
+    from pipeline.claim import hold_output
+    from pipeline.fingerprint import clearing_removes
+    from pipeline.runner import run_job
 
     removes = (
         or_exit(f"cannot submit {job_file}:", lambda: clearing_removes(job)) if overwrite else None
     )
-    output = or_exit(f"cannot submit {job_file}:", lambda: claim_output(job, overwrite))
+
+    def lease_lost(message: str) -> None:  # from the heartbeat thread: stop the run
+        click.echo(f"[{job.name}] {message}; stopping", err=True)
+        _thread.interrupt_main()
+
     ray_address = "auto" if in_cluster else None
     failure: BaseException | None = None
     terminal = sys.stdout
-    with run_log(output, "submit") as (log_path, log):
+    held = hold_output(
+        job,
+        plan,
+        overwrite=overwrite,
+        extend=extend,
+        retry_failed=retry_failed,
+        echo=click.echo,
+        on_lost=lease_lost,
+    )
+    with (
+        exits_on_job_error(f"cannot submit {job_file}:"),
+        held as run,
+        run_log(run.output, "submit") as (log_path, log),
+    ):
 
         def echo(line: str) -> None:
             click.echo(line, file=terminal)
@@ -147,11 +196,11 @@ def submit(
 
         if overwrite:
             removed = f"removed {removes}" if removes else "nothing to remove"
-            echo(f"[{job.name}] --overwrite: {removed} in {output.uri} (logs/ kept)")
+            echo(f"[{job.name}] --overwrite: {removed} in {run.output.uri} (logs/ kept)")
         bar = terminal if terminal.isatty() else None
         try:
             run_job(
-                Run(job, plan, output),
+                run,
                 ray_address=ray_address,
                 echo=echo,
                 progress_interval=progress_interval,

@@ -9,10 +9,10 @@ that holds rows made under another fingerprint is refused before anything runs, 
 key that differs, unless `--overwrite` empties the output first.
 
 Left out, so they may change between runs: where the input is and how much of it is read
-(`input.path`, `input.limit`: a resubmit may add rows), and everything that only changes
-speed (drafter, budget, replicas, batch size, tensor parallel degree, GPUs and CPUs).
-Decoding is lossless: rows written under one drafter and batch size are the rows another
-would write.
+(`input.path`, `input.limit`), and everything that only changes speed (drafter, budget,
+replicas, batch size, tensor parallel degree, GPUs and CPUs). Decoding is lossless: rows
+written under one drafter and batch size are the rows another would write. The input's
+identity, its rows themselves, is checked row by row instead (`pipeline.identity`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,18 @@ from typing import Any, TypeVar
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.identity import INPUT_FILE, InputRecord, check_input, write_record
+from pipeline.inputs import InputPlan
 from pipeline.job import Job, JobError, checkpoint_family
-from pipeline.output import DATA_DIR, REPORT_DIR, SUMMARY_FILE, OutputDir, write_atomically
+from pipeline.lease import check_lease
+from pipeline.output import (
+    DATA_DIR,
+    REPORT_DIR,
+    RUNS_DIR,
+    SUMMARY_FILE,
+    OutputDir,
+    write_atomically,
+)
 from spot.models.hub import CHECKPOINT_FILES
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -95,27 +105,44 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return changed
 
 
-def check_resume(job: Job) -> None:
-    """Raise ResumeRefused when the job's output holds rows of another fingerprint (reads
-    only: what `validate` asks)."""
+def check_output(job: Job, plan: InputPlan) -> list[str]:
+    """What `validate` asks, reading only: raises JobError where a submit would be refused
+    (a live submit holds the output's lease; it holds rows of another fingerprint or
+    another input); else the lines worth telling (`identity.check_input`, a lease a submit
+    would take over)."""
     output = OutputDir(job.output.path)
+    lease = _io(check_lease, output)
     _refuse_other_rows(output, fingerprint(job), _io(read_fingerprint, output))
+    notes = _io(check_input, output, plan, job.input)
+    return [*notes, *([lease] if lease else [])]
 
 
-def claim_output(job: Job, overwrite: bool = False) -> OutputDir:
+def claim_output(
+    job: Job,
+    plan: InputPlan,
+    overwrite: bool = False,
+    extend: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> OutputDir:
     """The job's output folder, checked and marked for this job before anything runs: with
     `overwrite`, emptied of its rows, summary and report (its logs stay); else refused
-    (ResumeRefused) when it holds rows made with another fingerprint. Writes the job's
-    fingerprint when the folder has none or another one."""
+    (ResumeRefused) when it holds rows made with another fingerprint, or (InputChanged)
+    from another input or, unless `extend`, from an input that grew since. Writes the job's
+    fingerprint and its input's record (`identity.InputRecord`) where they changed; what
+    is worth telling about the input goes to `echo`."""
     output = OutputDir(job.output.path)
     current = fingerprint(job)
     if overwrite:
         _io(clear_output, output)
     recorded = _io(read_fingerprint, output)
     _refuse_other_rows(output, current, recorded)
+    for line in _io(check_input, output, plan, job.input, extend):
+        if echo is not None:
+            echo(f"[{job.name}] {line}")
     if recorded != current:
         text = json.dumps(current, indent=2).encode()
         _io(write_atomically, output.filesystem, _path(output), lambda f: f.write(text))
+    _io(write_record, output, InputRecord.of(plan, job.input))
     return output
 
 
@@ -141,6 +168,8 @@ def _io(call: Callable[..., T], *args: Any) -> T:
     """`call(*args)` on the output's file system; what it raises becomes a JobError."""
     try:
         return call(*args)
+    except JobError:
+        raise
     except (OSError, ValueError) as error:
         raise JobError([f"output.path: {error}"]) from error
 
@@ -154,9 +183,10 @@ def read_fingerprint(output: OutputDir) -> dict[str, Any] | None:
 
 
 def clear_output(output: OutputDir) -> None:
-    """Delete what a job wrote to `output` (rows, summary, report, fingerprint), not logs."""
+    """Delete what a job wrote to `output` (rows, summary, report, fingerprint, the input's
+    record and the markers of runs), not logs."""
     filesystem = output.filesystem
-    for name in (DATA_DIR, REPORT_DIR, SUMMARY_FILE, FINGERPRINT_FILE):
+    for name in (DATA_DIR, REPORT_DIR, SUMMARY_FILE, FINGERPRINT_FILE, INPUT_FILE, RUNS_DIR):
         path = posixpath.join(output.root, name)
         kind = filesystem.get_file_info(path).type
         if kind == pafs.FileType.Directory:

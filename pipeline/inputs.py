@@ -31,7 +31,15 @@ import pyarrow.fs as pafs
 
 from pipeline.job import InputConfig, JobError
 from pipeline.prompts import messages_problem
-from pipeline.schema import GENERATED_FIELDS, ID, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
+from pipeline.schema import (
+    GENERATED_FIELDS,
+    ID,
+    INPUT_DIGEST,
+    MESSAGES,
+    PROMPT,
+    ROW_ERROR,
+    SAMPLE_INDEX,
+)
 
 NULL_KEY = "\x00null"  # the key of a row without an id: no real id equals it
 JSONL_BATCH_ROWS = 1024  # rows per table the JSON Lines reader yields
@@ -249,7 +257,7 @@ def output_names(columns: list[str], config: InputConfig) -> dict[str, str]:
     `id`, `prompt` and `messages` (the prompt column is an ordinary column in a messages
     job); a column whose name an output column takes is kept as `input_<name>`. The reader's
     `_row_error` keeps its name."""
-    reserved = {f.name for f in GENERATED_FIELDS} | {ID, PROMPT, SAMPLE_INDEX}
+    reserved = {f.name for f in GENERATED_FIELDS} | {ID, PROMPT, SAMPLE_INDEX, INPUT_DIGEST}
     special = {config.id_column: ID}
     if config.messages_column is not None:
         reserved.add(MESSAGES)

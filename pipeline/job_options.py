@@ -4,7 +4,8 @@ its input planned) or else its problems printed, one per line, with exit status 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import click
@@ -24,10 +25,18 @@ set_option = click.option(
 def or_exit(header: str, check: Callable[[], T]) -> T:
     """What `check` returns; when it raises JobError, `header` and its problems, one per
     line, and exit status 2."""
+    with exits_on_job_error(header):
+        return check()
+
+
+@contextmanager
+def exits_on_job_error(header: str) -> Iterator[None]:
+    """A JobError raised inside: `header` and its problems, one per line, and exit status
+    2."""
     from pipeline.job import JobError
 
     try:
-        return check()
+        yield
     except JobError as error:
         click.echo(header, err=True)
         for problem in error.problems:

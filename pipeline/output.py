@@ -5,17 +5,26 @@ Layout of `output.path`:
   summary.json               the job, versions, totals (beside data/, so readers of data/
                              see Parquet only)
   report/                    plots and an HTML page (`spot-pipeline report`)
+  fingerprint.json, input.json  what decided the rows (pipeline.fingerprint, .identity)
+  lease.json, runs/          the submit writing now, and runs not yet recorded (pipeline.lease)
 
 A part file is written under a hidden temporary name in data/ and renamed when complete, so
 a reader never sees half a file. Its name is a hash of the (id, sample_index) keys it holds:
-a write retried after a crash replaces its own file instead of adding a duplicate.
+a write retried after a crash replaces its own file instead of adding a duplicate. Its
+Parquet metadata names the run that wrote it (RUN_KEY), so a run that ended without its
+record is still counted. A write that fails raises OutputWriteError: the path and the cause
+in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
 import posixpath
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -31,7 +40,9 @@ from pipeline.schema import ID, SAMPLE_INDEX
 DATA_DIR = "data"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
+RUNS_DIR = "runs"
 PARTIAL_SUFFIX = ".partial"
+RUN_KEY = b"spot_pipeline.run"  # a part's Parquet metadata: the id of the run that wrote it
 KEYS = [ID, SAMPLE_INDEX]
 READ_BATCH_ROWS = 65_536
 
@@ -118,14 +129,43 @@ def row_keys(ids: pa.Array | pa.ChunkedArray, samples: pa.Array | pa.ChunkedArra
     return keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
 
 
+class OutputWriteError(OSError):
+    """A write into the output that failed: the path and the cause, in one line
+    (`write_error`)."""
+
+
+def write_error(path: str, cause: BaseException) -> OutputWriteError:
+    return OutputWriteError(f"cannot write {path}: {_cause(cause)}")
+
+
+def _cause(error: BaseException) -> str:
+    """An OSError's cause in words ("No space left on device"), without Arrow's detail."""
+    code = getattr(error, "errno", None)
+    if code is None:  # Arrow: "... Detail: [errno 28] No space left on device"
+        found = [int(c) for c in _ERRNO.findall(str(error))]
+        code = found[-1] if found else None
+    if code in errno.errorcode:
+        return os.strerror(code)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+_ERRNO = re.compile(r"\[errno (\d+)\]", re.IGNORECASE)
+
+
 def write_atomically(filesystem: pafs.FileSystem, path: str, write) -> None:
-    """Write through a hidden temporary beside `path`, then rename it into place."""
+    """Write through a hidden temporary beside `path`, then rename it into place (replacing
+    what `path` held); raises OutputWriteError, leaving `path` as it was."""
     directory, name = posixpath.split(path)
     temporary = posixpath.join(directory, f".{name}{PARTIAL_SUFFIX}")
-    filesystem.create_dir(directory, recursive=True)
-    with filesystem.open_output_stream(temporary) as stream:
-        write(stream)
-    filesystem.move(temporary, path)
+    try:
+        filesystem.create_dir(directory, recursive=True)
+        with filesystem.open_output_stream(temporary) as stream:
+            write(stream)
+        filesystem.move(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            filesystem.delete_file(temporary)
+        raise write_error(path, error) from error
 
 
 def part_name(table: pa.Table) -> str:
@@ -139,12 +179,24 @@ def part_name(table: pa.Table) -> str:
     return f"part-{digest.hexdigest()}.parquet"
 
 
-def write_part(output: OutputDir, tables: Iterable[pa.Table]) -> int:
-    """Write the rows of `tables` as one part file, atomically; returns the rows written."""
+def write_part(output: OutputDir, tables: Iterable[pa.Table], run: str | None = None) -> int:
+    """Write the rows of `tables` as one part file, atomically, its metadata naming `run`;
+    returns the rows written."""
     tables = [t for t in tables if t.num_rows]
     if not tables:
         return 0
     table = pa.concat_tables(tables, promote_options="default")
+    if run is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), RUN_KEY: run})
     path = posixpath.join(output.data, part_name(table))
     write_atomically(output.filesystem, path, lambda f: pq.write_table(table, f))
     return table.num_rows
+
+
+def part_run(output: OutputDir, path: str) -> str | None:
+    """The id of the run that wrote the part at `path` (None: a part from before runs had
+    ids), from its footer alone."""
+    with output.filesystem.open_input_file(path) as file:
+        metadata = pq.ParquetFile(file).schema_arrow.metadata or {}
+    run = metadata.get(RUN_KEY)
+    return None if run is None else run.decode()

@@ -11,6 +11,7 @@ names the file. An output on object storage gets its log copied there when the r
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import sys
@@ -39,22 +40,48 @@ def run_log(output: OutputDir, command: str) -> Iterator[tuple[Path, TextIO]]:
     path = folder / name
     sys.stdout.flush()
     sys.stderr.flush()
-    with open(path, "a", buffering=1) as log:
-        saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
-        try:
-            with contextlib.redirect_stdout(log):
-                yield path, log
-        finally:
+    log = TolerantLog(open(path, "a", buffering=1))  # noqa: SIM115 (closed below)
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        with contextlib.redirect_stdout(log):
+            yield path, log
+    finally:
+        with contextlib.suppress(OSError):
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+        os.dup2(saved, 2)
+        os.close(saved)
+        log.close()
     if not local:
         remote = f"{output.root}/{LOG_DIR}/{name}"
         with contextlib.suppress(OSError):
             output.filesystem.create_dir(f"{output.root}/{LOG_DIR}")
             with output.filesystem.open_output_stream(remote) as stream:
                 stream.write(path.read_bytes())
+
+
+class TolerantLog(io.TextIOBase):
+    """A log file whose writes never raise: on a full disk (or a folder that became
+    read-only) the run goes on and ends with its own message; the log keeps what fit."""
+
+    def __init__(self, file: TextIO):
+        self.file = file
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError):
+            self.file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.flush()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the file is closed even when its flush fails
+            self.file.close()
 
 
 def failure_reason(error: BaseException) -> str:

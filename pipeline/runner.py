@@ -31,7 +31,7 @@ from ray.data import DataContext
 from pipeline.fingerprint import claim_output
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
-from pipeline.output import OutputDir, row_keys
+from pipeline.output import OutputDir, OutputWriteError, row_keys
 from pipeline.processor import build_processor
 from pipeline.progress import ProgressPrinter
 from pipeline.ray_auth import embedded_ray
@@ -49,13 +49,16 @@ class Run:
     job: Job
     plan: InputPlan
     output: OutputDir
+    run_id: str | None = None  # what its parts' metadata and its record name it
+    rows_retried: int = 0  # rows removed from the output to be generated again
 
     @classmethod
-    def prepare(cls, job: Job, overwrite: bool = False) -> Run:
+    def prepare(cls, job: Job, overwrite: bool = False, extend: bool = False) -> Run:
         """Plan the input, then claim the output (`fingerprint.claim_output`; `overwrite`
-        empties it first); raises JobError."""
+        empties it first, `extend` accepts an input that grew); raises JobError. (A submit
+        also holds the output's lease: `pipeline.claim.hold_output`.)"""
         plan = plan_input(job.input)
-        return cls(job, plan, claim_output(job, overwrite))
+        return cls(job, plan, claim_output(job, plan, overwrite, extend))
 
 
 def count_pending(plan: InputPlan, samples: int, done: pa.Array, slice_rows: int = 1 << 18) -> int:
@@ -154,10 +157,10 @@ def run_job(
         new_parts = set(output.part_files()) - set(written_before)
         counted, written = output_totals(output, new_parts)
         previous = output.read_summary() or {}
-        this_run = _run_record(job, written, started, wall, progress.samples, failure)
+        this_run = _run_record(run, written, started, wall, progress.samples, failure)
         this_run.update(_decoding_and_phases(progress))
         summary = build_summary(job, counted, [*previous.get("runs", []), this_run])
-        output.write_summary(summary)
+        _write_summary(output, summary, failure, echo)
     echo(_done_line(job, summary["totals"], this_run))
     return summary
 
@@ -207,11 +210,25 @@ def _execute(
         progress=counter,
         replica=actor_class,
     )
-    process(read_input(run.plan)).write_datasink(AtomicParquetDatasink(run.output))
+    process(read_input(run.plan)).write_datasink(AtomicParquetDatasink(run.output, run.run_id))
+
+
+def _write_summary(
+    output: OutputDir, summary: dict[str, Any], failure: str | None, echo: Echo
+) -> None:
+    """Write summary.json; when the run failed already (a full disk, say), a summary that
+    cannot be written is told in a line, and the run's own failure is the one raised (its
+    marker stays, so the next submit records it as lost)."""
+    try:
+        output.write_summary(summary)
+    except OutputWriteError as error:
+        if failure is None:
+            raise
+        echo(f"  summary.json not written ({error}): the next submit records this run")
 
 
 def _run_record(
-    job: Job,
+    run: Run,
     written: dict[str, Any],
     started: str,
     wall: float,
@@ -222,12 +239,14 @@ def _run_record(
     rows that were not written before, so new parts are exactly the new rows)."""
     rows, tokens = written["rows"], written["generated_tokens"]
     return {
+        "run_id": run.run_id,
         "status": "failed" if failure else "succeeded",
         "error": failure,
         "started_at": started,
         "wall_seconds": wall,
-        "replicas": job.resources.replicas,
+        "replicas": run.job.resources.replicas,
         "rows_written": rows,
+        "rows_retried": run.rows_retried,
         "generated_tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else None,
         "progress": samples,

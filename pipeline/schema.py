@@ -11,6 +11,7 @@ MESSAGES = "messages"  # the conversation of a job with input.messages_column
 SAMPLE_INDEX = "sample_index"
 ROW_ERROR = "_row_error"  # internal: an error found before generation (null or duplicate id)
 PROMPT_IDS = "_prompt_ids"  # internal: the prompt's token ids, from the tokenize stage
+INPUT_DIGEST = "input_digest"  # a digest of the row's id and prompt (pipeline.identity)
 
 BUDGET_ITERATIONS = pa.list_(
     pa.struct(

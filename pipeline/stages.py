@@ -20,11 +20,12 @@ from ray.data import ActorPoolStrategy
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
+from pipeline.identity import row_digests
 from pipeline.inputs import id_keys, output_names
 from pipeline.job import InputConfig, Job
 from pipeline.output import OutputDir, row_keys, write_part
 from pipeline.progress import table_counts
-from pipeline.schema import ID, ROW_ERROR, SAMPLE_INDEX
+from pipeline.schema import ID, INPUT_DIGEST, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
 
 # Blocks are what replicas are handed and what part files hold: enough of them that every
 # replica gets work and a crash loses little, few enough that part files stay large.
@@ -58,13 +59,16 @@ def rows_per_block(pending_rows: int | None, job: Job) -> int:
 
 
 class AtomicParquetDatasink(Datasink[int]):
-    """Each write task writes its blocks as one part file, atomically (see pipeline.output)."""
+    """Each write task writes its blocks as one part file, atomically, its metadata naming
+    the run (see pipeline.output)."""
 
-    def __init__(self, output: OutputDir):
+    def __init__(self, output: OutputDir, run: str | None = None):
         self.output = output
+        self.run = run
 
     def write(self, blocks, ctx) -> int:
-        return write_part(self.output, (BlockAccessor.for_block(b).to_arrow() for b in blocks))
+        tables = (BlockAccessor.for_block(b).to_arrow() for b in blocks)
+        return write_part(self.output, tables, self.run)
 
 
 def expand_rows(
@@ -76,10 +80,13 @@ def expand_rows(
     duplicate_ids: pa.Table | None = None,
 ) -> pa.Table:
     """Input rows -> one row per (row, sample), their columns named as the output names
-    them (`pipeline.inputs.output_names`), rows whose key is in `done` dropped; marks rows
+    them (`pipeline.inputs.output_names`) with the row's INPUT_DIGEST
+    (`pipeline.identity.row_digests`), rows whose key is in `done` dropped; marks rows
     whose id is null or in `duplicate_ids` (columns key, count: `InputPlan.duplicate_ids`),
     or that could not be read, with their error before any model sees them."""
     batch = batch.rename_columns(list(output_names(batch.column_names, config).values()))
+    text = MESSAGES if config.messages_column is not None else PROMPT
+    batch = batch.append_column(INPUT_DIGEST, row_digests(batch.column(ID), batch.column(text)))
     nulls = pc.is_null(batch.column(ID)).to_pylist()
     counts = [None] * batch.num_rows
     if duplicate_ids is not None:

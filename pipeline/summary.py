@@ -3,7 +3,10 @@
 Totals are computed from the part files themselves, so a resumed job's summary covers all
 its runs; `runs` keeps each run's wall time and progress samples (tokens/s over time). They
 stream through a few numeric and short columns of the parts, so the driver's memory does not
-grow with the corpus.
+grow with the corpus. A run that ended without writing its record (its marker left in
+`runs/`, pipeline.lease) is recorded by the next submit as `lost`, with the rows and tokens
+of the parts it wrote (their metadata names it) and its time until its last heartbeat, so
+rows, tokens and cost add up.
 """
 
 from __future__ import annotations
@@ -15,17 +18,20 @@ import subprocess
 import sys
 import tomllib
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
 from pipeline.job import Job
-from pipeline.output import OutputDir
+from pipeline.lease import read_markers, remove_marker
+from pipeline.output import OutputDir, part_run
 
 _LIBRARIES = (
     "spot-pipeline",
@@ -222,3 +228,71 @@ def build_summary(job: Job, counted: dict[str, Any], runs: list[dict[str, Any]])
         "usd_per_million_tokens": cost / tokens * 1e6 if tokens else None,
         "runs": runs,
     }
+
+
+LOST = (
+    "ended without writing its record (killed, its machine lost, or its disk full); "
+    "counted from the parts it wrote"
+)
+CLOCK_SLACK_SECONDS = 60  # parts older than a run's start by more than this are not its own
+
+
+def lost_run_record(output: OutputDir, marker: dict[str, Any]) -> dict[str, Any]:
+    """The record of the run that left `marker` and no record: what its parts hold, its
+    wall time until its last heartbeat (or its last part, if later)."""
+    started = datetime.fromisoformat(marker["started_at"]).timestamp()
+    infos = [i for i in _part_infos(output) if i.mtime_ns / 1e9 >= started - CLOCK_SLACK_SECONDS]
+    files = [i.path for i in infos if part_run(output, i.path) == marker["run_id"]]
+    totals = Totals()
+    for batch in output.batches(COUNTED, files):
+        totals.add(batch)
+    ended = max(
+        [marker.get("last_seen", started), *(i.mtime_ns / 1e9 for i in infos if i.path in files)]
+    )
+    wall = max(0.0, ended - started)
+    return {
+        "status": "lost",
+        "error": LOST,
+        "started_at": marker["started_at"],
+        "wall_seconds": wall,
+        "replicas": marker.get("replicas", 1),
+        "rows_written": totals.rows,
+        "rows_retried": marker.get("rows_retried", 0),
+        "generated_tokens": totals.generated_tokens,
+        "tokens_per_second": totals.generated_tokens / wall if wall > 0 else None,
+        "progress": [],
+        "run_id": marker["run_id"],
+    }
+
+
+def _part_infos(output: OutputDir) -> list[pafs.FileInfo]:
+    paths = output.part_files()
+    return output.filesystem.get_file_info(paths) if paths else []
+
+
+def record_lost_runs(
+    output: OutputDir, job: Job, current_run: str, echo: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Record every run whose marker outlived it (all but `current_run`'s, whose submit
+    holds the lease now) in summary.json as `lost`, then remove their markers; returns the
+    records added."""
+    markers = [m for m in read_markers(output) if m.get("run_id") != current_run]
+    if not markers:
+        return []
+    summary = output.read_summary() or {}
+    runs = summary.get("runs", [])
+    recorded = {run.get("run_id") for run in runs}
+    lost = [lost_run_record(output, m) for m in markers if m["run_id"] not in recorded]
+    if lost:
+        counted, _ = output_totals(output)
+        runs = sorted([*runs, *lost], key=lambda run: run.get("started_at", ""))
+        output.write_summary(build_summary(job, counted, runs))
+    for record in lost:
+        echo(
+            f"[{job.name}] run {record['run_id']} (started {record['started_at']}) "
+            f"ended without its record: recorded as lost, {record['rows_written']} rows and "
+            f"{record['generated_tokens']} tokens in {record['wall_seconds']:.0f} s"
+        )
+    for marker in markers:
+        remove_marker(output, marker["run_id"])
+    return lost

@@ -21,6 +21,7 @@ from pipeline.fingerprint import (
     differences,
     fingerprint,
 )
+from pipeline.inputs import plan_input
 from pipeline.job import DecodingSection, parse_job
 from spot.builtin import resolve_builtin
 from tests.pipeline_fixtures import job_dict, write_prompts
@@ -73,19 +74,20 @@ def test_differences_name_each_key_and_skip_what_was_not_known():
 
 def test_claiming_an_output(tmp_path: Path):
     job = _job(tmp_path)
-    out = claim_output(job)
+    plan = plan_input(job.input)
+    out = claim_output(job, plan)
     path = Path(out.root, FINGERPRINT_FILE)
     assert json.loads(path.read_text()) == fingerprint(job)
     other = _job(tmp_path, decoding={"temperature": 0.5})
-    claim_output(other)  # no rows yet: nothing to mix, the fingerprint is replaced
+    claim_output(other, plan)  # no rows yet: nothing to mix, the fingerprint is replaced
     assert json.loads(path.read_text())["decoding.temperature"] == 0.5
     data = Path(out.data)
     data.mkdir()
     (data / "part-x.parquet").write_bytes(b"rows")
     with pytest.raises(ResumeRefused) as refused:
-        claim_output(job)
+        claim_output(job, plan)
     assert "  decoding.temperature: 0.5 -> 0.0" in refused.value.problems
-    claim_output(job, overwrite=True)
+    claim_output(job, plan, overwrite=True)
     assert not data.exists() and json.loads(path.read_text()) == fingerprint(job)
 
 
