@@ -165,3 +165,41 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def output_rows(
+    ids: list,
+    prompts: list[str | None],
+    *,
+    samples: int = 1,
+    tokens: int = 5,
+    error: str | None = None,
+    error_kind: str | None = None,
+) -> pa.Table:
+    """Rows as a run writes them (the columns resume, retries and totals read), made here
+    without a model: one per (id, sample), each with `tokens` generated tokens unless it
+    has an `error` (of `error_kind`)."""
+    from pipeline.identity import row_digests
+
+    n = len(ids) * samples
+    ok = error is None
+    repeat = [i for i in range(len(ids)) for _ in range(samples)]
+    digests = row_digests(pa.array(ids), pa.array(prompts, pa.string())).take(repeat)
+    return pa.table(
+        {
+            "id": pa.array(ids).take(repeat),
+            "prompt": pa.array(prompts, pa.string()).take(repeat),
+            "completion": pa.array(["done"] * n if ok else [None] * n, pa.string()),
+            "num_prompt_tokens": pa.array([3] * n, pa.int64()),
+            "num_generated_tokens": pa.array([tokens] * n if ok else [None] * n, pa.int64()),
+            "nfe": pa.array([2] * n if ok else [None] * n, pa.int64()),
+            "steps": pa.array([2] * n if ok else [None] * n, pa.int64()),
+            "accepted_steps_per_forward": pa.array([1.0] * n if ok else [None] * n),
+            "forward_share": pa.array([0.5] * n if ok else [None] * n),
+            "finish_reason": pa.array(["eos" if ok else "error"] * n),
+            "error": pa.array([error] * n, pa.string()),
+            "error_kind": pa.array([error_kind] * n, pa.string()),
+            "sample_index": pa.array([s for _ in ids for s in range(samples)], pa.int64()),
+            "input_digest": digests,
+        }
+    )
