@@ -150,20 +150,43 @@ def run_cli(
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
-    environment = {**os.environ, "PYTHONPATH": str(repo), **(env or {})}
-    environment.pop("RAY_ADDRESS", None)
     if count_calls is None:
         command = ["-m", "pipeline.cli", *args]
     else:
         command = ["-c", COUNTED_CALLS % ", ".join(WATCHED), str(count_calls), *args]
     return subprocess.run(
         [sys.executable, *command],
-        cwd=repo,
-        env=environment,
+        cwd=REPO,
+        env=cli_environment(env),
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli_environment(env: dict | None = None) -> dict:
+    """The environment `spot-pipeline` runs in from the checkout (no Ray cluster named)."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environment.pop("RAY_ADDRESS", None)
+    return environment
+
+
+def start_cli(*args: str):
+    """`spot-pipeline ARGS` started in a subprocess (stdout and stderr piped), not waited
+    for."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO,
+        env=cli_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -71,6 +71,12 @@ def _written(job, rows: dict[str, str], samples: int = 1) -> OutputDir:
     return output
 
 
+def _refusal(output: OutputDir, job, plan) -> list[str]:
+    with pytest.raises(InputChanged) as refused:
+        check_input(output, plan, job.input)
+    return refused.value.problems
+
+
 ROWS = {f"q{i}": f"prompt {i}" for i in range(6)}
 
 
@@ -102,9 +108,7 @@ def test_rows_written_are_matched_by_id_against_the_input(tmp_path: Path):
     assert (comparison.rows, comparison.changed, comparison.absent) == (8, 2, 0)
     assert comparison.first_changed == [(1, "q1"), (3, "q3")]  # (input row, id)
     assert comparison.first_unwritten == ["q4", "q5"]
-    with pytest.raises(InputChanged) as refused:
-        check_input(output, other_plan, other_job.input)
-    assert refused.value.problems == [
+    assert _refusal(output, other_job, other_plan) == [
         "input: 2 id(s) written have another prompt in the input now (first: 'q1', 'q3'); "
         "resuming would keep the old prompts' completions",
         "submit with --overwrite to delete those rows and start again, or set another output.path",
@@ -117,9 +121,7 @@ def test_another_input_is_refused_naming_ids_it_lacks(tmp_path: Path):
     output = _written(job, ROWS)
     other = {f"z{i}": f"prompt {i}" for i in range(6)}
     other_job, other_plan = _setup(tmp_path, {**other, "q5": "prompt 5"}, name="other.jsonl")
-    with pytest.raises(InputChanged) as refused:
-        check_input(output, other_plan, other_job.input)
-    assert refused.value.problems[0] == (
+    assert _refusal(output, other_job, other_plan)[0] == (
         f"input: 5 id(s) written are not in the input (first: 'q0', 'q1', 'q2'): input.path "
         f"'{other_plan.files[0]}' is another input (the rows were made from {plan.files[0]})"
     )
@@ -137,9 +139,7 @@ def test_the_same_rows_elsewhere_resume_and_a_grown_input_needs_extend(tmp_path:
     )
     grown = {**ROWS, "q6": "prompt 6", "q7": "prompt 7"}
     grown_job, grown_plan = _setup(tmp_path, grown)  # appended to the same file
-    with pytest.raises(InputChanged) as refused:
-        check_input(output, grown_plan, grown_job.input)
-    assert refused.value.problems == [
+    assert _refusal(output, grown_job, grown_plan) == [
         "input: holds 8 rows, 6 when this output was last submitted; the 6 row(s) written all "
         "match it; ids not generated yet: 'q6', 'q7', ...",
         "submit with --extend to generate the new rows too, or --overwrite to start again",
