@@ -3,11 +3,15 @@
 Fabricates an output folder of N rows in the project's output schema and part naming
 (`pipeline.output.write_part`, parts of the size the runner cuts for such a job): ~300-character
 prompts, ~1000-character completions and 256 token ids per row, one error row in a thousand.
-The job's input holds exactly those ids, so `spot-pipeline submit` has nothing to do: that is
-the resubmit path. Then a few new ids are added to the input and the same job is submitted
-again: it generates them on an embedded Ray (sdar-nano, draft-free, 16 tokens) and writes the
-summary over everything. Each submit runs in a subprocess that reports its own peak RSS
-(`ru_maxrss` of the driver process; Ray's processes are not counted).
+The job's input holds exactly those ids and prompts, so `spot-pipeline submit` has nothing to
+do. It is submitted twice: the first submit finds no record of the input (`input.json`), so
+the driver reads the input's ids and prompts and checks every row written against them
+(`pipeline.identity`: "checked"); the second finds the input's files as recorded and reads no
+row ("resubmit"). Then a few new ids are added to the input and the same job is submitted
+again (with --extend, where the checkout has it): its rows are checked again, and it generates
+the new ones on an embedded Ray (sdar-nano, draft-free, 16 tokens) and writes the summary over
+everything ("summary"). Each submit runs in a subprocess that reports its own
+peak RSS (the driver process's VmHWM; Ray's processes are not counted).
 
     .venv/bin/python bench/driver_memory.py --rows 1000000 2000000
     .venv/bin/python bench/driver_memory.py --rows 1000000 2000000 --source /tmp/old-checkout
@@ -39,8 +43,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.identity import row_digests  # noqa: E402
 from pipeline.output import OutputDir, write_part  # noqa: E402
-from pipeline.schema import BUDGET_ITERATIONS, GENERATED_FIELDS  # noqa: E402
+from pipeline.schema import BUDGET_ITERATIONS, GENERATED_FIELDS, INPUT_DIGEST  # noqa: E402
 
 PROMPT_CHARS = 300
 COMPLETION_CHARS = 1000
@@ -117,8 +122,11 @@ def texts(rng: np.random.Generator, pool: np.ndarray, n: int, mean: int) -> pa.S
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
 
 
-def fabricated_rows(rng: np.random.Generator, pool: np.ndarray, ids: list[str]) -> pa.Table:
-    """Output rows in the engine's schema (`pipeline.engine._output_table`)."""
+def fabricated_rows(
+    rng: np.random.Generator, pool: np.ndarray, ids: list[str], prompts: pa.Array
+) -> pa.Table:
+    """Output rows in the engine's schema (`pipeline.engine._output_table`) for the input
+    rows (`ids`, `prompts`), with their input digests."""
     n = len(ids)
     failed = np.zeros(n, dtype=bool)
     failed[rng.integers(0, n, max(1, n // ERROR_EVERY))] = True
@@ -148,10 +156,12 @@ def fabricated_rows(rng: np.random.Generator, pool: np.ndarray, ids: list[str]) 
         "seed": pa.array(np.zeros(n, dtype=np.int64)),
         "budget_iterations": pa.nulls(n, BUDGET_ITERATIONS),  # draft-free: no budget auto
     }
-    arrays = [pa.array(ids), texts(rng, pool, n, PROMPT_CHARS)]
+    arrays = [pa.array(ids), prompts]
     arrays += [columns[f.name].cast(f.type) for f in GENERATED_FIELDS]
     arrays.append(pa.array(np.zeros(n, dtype=np.int64)))
     names = ["id", "prompt", *(f.name for f in GENERATED_FIELDS), "sample_index"]
+    arrays.append(row_digests(arrays[0], prompts))
+    names.append(INPUT_DIGEST)
     return pa.Table.from_arrays(arrays, names=names)
 
 
@@ -168,9 +178,11 @@ def fabricate(work: Path, start: int, count: int, rows_per_part: int, seed: int)
     pool = word_text(rng, 32 << 20)
     output = OutputDir(str(work / "out"))
     ids = [f"q{i:09d}" for i in range(start, start + count)]
-    for first in range(0, count, rows_per_part):
-        write_part(output, [fabricated_rows(rng, pool, ids[first : first + rows_per_part])])
     prompts = texts(rng, pool, count, PROMPT_CHARS)
+    for first in range(0, count, rows_per_part):
+        part = slice(first, first + rows_per_part)
+        rows = fabricated_rows(rng, pool, ids[part], prompts[part])
+        write_part(output, [rows])
     (work / "input").mkdir(exist_ok=True)
     pq.write_table(pa.table({"id": ids, "prompt": prompts}), work / "input" / f"q{start}.parquet")
 
@@ -204,14 +216,18 @@ def check(run: DriverRun, pattern: str, what: str) -> None:
         sys.exit(f"{what} failed (exit {run.returncode}):\n{run.output[-4000:]}")
 
 
-def probe(work: Path, job: Path, rows: int, source: Path) -> tuple[DriverRun, DriverRun]:
-    """The resubmit (nothing to do) and a run that generates NEW_ROWS, from `source`."""
+def probe(work: Path, job: Path, rows: int, source: Path) -> dict[str, DriverRun]:
+    """Two resubmits with nothing to do (the first checks the rows written against the
+    input), then a run that generates NEW_ROWS, from `source`."""
     output = OutputDir(str(work / "out"))
     fabricated = set(output.part_files())
+    checked = run_driver(["submit", str(job)], source, cwd=work)
+    check(checked, rf"{rows} already written, 0 to generate", "first resubmit")
     resubmit = run_driver(["submit", str(job)], source, cwd=work)
     check(resubmit, rf"{rows} already written, 0 to generate", "resubmit")
     added = new_rows(work)
-    generate = run_driver(["submit", str(job)], source, cwd=work)
+    extend = ["--extend"] if "--extend" in (source / "pipeline" / "cli.py").read_text() else []
+    generate = run_driver(["submit", str(job), *extend], source, cwd=work)
     check(generate, rf"{rows} already written, {NEW_ROWS} to generate", "generating run")
     summary = output.read_summary()
     assert summary["totals"]["rows"] == rows + NEW_ROWS, summary["totals"]
@@ -219,8 +235,9 @@ def probe(work: Path, job: Path, rows: int, source: Path) -> tuple[DriverRun, Dr
     for path in set(output.part_files()) - fabricated:  # back to the fabricated rows
         os.remove(path)
     added.unlink()
-    os.remove(output.summary)
-    return resubmit, generate
+    for name in ("summary.json", "input.json"):
+        Path(output.root, name).unlink(missing_ok=True)
+    return {"checked": checked, "resubmit": resubmit, "summary": generate}
 
 
 def main() -> None:
@@ -260,8 +277,7 @@ def main() -> None:
                 flush=True,
             )
             for source in sources:
-                resubmit, generate = probe(work, job, rows, source)
-                for scenario, run in (("resubmit", resubmit), ("summary", generate)):
+                for scenario, run in probe(work, job, rows, source).items():
                     results.append((rows, source, scenario, run))
                     print(
                         f"  {source}: {scenario:<8} peak RSS {run.peak_rss_bytes / 2**20:,.0f} "
