@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from pipeline.identity import InputChanged
 from pipeline.job import Job, parse_job
 from pipeline.output import OutputDir, row_keys, write_atomically, write_part
 from pipeline.processor import build_processor
@@ -385,7 +386,9 @@ def test_resume_and_summary_never_read_prompts_completions_or_token_ids(setup, s
     bigger = setup["root"] / "more-prompts.parquet"
     pq.write_table(pa.concat_tables([source, more.cast(source.schema)]), bigger)
     grown_job = _job(setup, "unreadable", 0.8, 1, 8, prompts=bigger)
-    grown = run_job(Run.prepare(grown_job), echo=lambda line: None)
+    with pytest.raises(InputChanged, match="ids not generated yet: 'n0', 'n1'"):
+        Run.prepare(grown_job)  # another input that grew: asked for with extend only
+    grown = run_job(Run.prepare(grown_job, extend=True), echo=lambda line: None)
     new_rows = 2 * SAMPLES
     assert grown["runs"][-1]["rows_written"] == new_rows
     assert grown["totals"]["rows"] == first["totals"]["rows"] + new_rows
