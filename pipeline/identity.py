@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.inputs import InputPlan, id_keys
+from pipeline.inputs import NULL_KEY, InputPlan, id_keys
 from pipeline.job import InputConfig, JobError
 from pipeline.output import OutputDir, write_atomically
 from pipeline.schema import ID, INPUT_DIGEST
@@ -38,7 +39,7 @@ from pipeline.schema import ID, INPUT_DIGEST
 INPUT_FILE = "input.json"
 NULL_TEXT = "\x00null"  # a missing prompt: no real prompt equals it
 SHOWN_IDS = 3  # ids named in a refusal
-SLICE_ROWS = 1 << 18  # input keys per hash set when matching (see runner.count_pending)
+SLICE_ROWS = 1 << 18  # least input keys per slice when matching (see runner.count_pending)
 
 
 class InputChanged(JobError):
@@ -166,8 +167,10 @@ class Comparison:
 
 def compare_written(output: OutputDir, plan: InputPlan, digests: pa.Array) -> Comparison:
     """Match every row written (its id and digest: two small columns) against the input's
-    rows (`plan.keys`, `digests`). The input is matched a slice at a time, so the hash sets
-    are built over a slice, never over every key (as `runner.count_pending` does)."""
+    rows (`plan.keys`, `digests`). The input is matched in at most 8 slices, so the hash
+    sets are built over a slice, never over every key written (as `runner.count_pending`
+    does). Rows of ids the input repeats, or of rows without an id, are error rows whose id
+    names no one row: they are not compared."""
     keys, written = [], []
     for batch in output.batches([ID, INPUT_DIGEST]):
         keys.append(id_keys(batch.column(ID)))
@@ -180,24 +183,31 @@ def compare_written(output: OutputDir, plan: InputPlan, digests: pa.Array) -> Co
         return result
     keys, written = pa.concat_arrays(keys), pa.concat_arrays(written)
     result.rows, result.unchecked = len(keys), written.null_count
+    shared = pa.concat_arrays(
+        [plan.duplicate_ids.column("key").combine_chunks(), pa.array([NULL_KEY])]
+    )
+    compared = pc.invert(pc.is_in(keys, value_set=shared))
     found = np.zeros(len(keys), dtype=bool)
     changed: list[tuple[int, str]] = []
-    for start in range(0, plan.num_rows, SLICE_ROWS):
-        slice_keys = plan.keys.slice(start, SLICE_ROWS)
+    step = max(SLICE_ROWS, math.ceil(plan.num_rows / 8))
+    for start in range(0, plan.num_rows, step):
+        slice_keys = plan.keys.slice(start, step)
         position = pc.index_in(keys, value_set=slice_keys)  # null: not in this slice
         here = pc.is_valid(position)
         found |= here.to_numpy(zero_copy_only=False)
         at = position.filter(here)
-        expected = digests.slice(start, SLICE_ROWS).take(at)
-        differs = pc.fill_null(pc.not_equal(written.filter(here), expected), False)
+        expected = digests.slice(start, step).take(at)
+        differs = pc.and_(pc.not_equal(written.filter(here), expected), compared.filter(here))
+        differs = pc.fill_null(differs, False)
         ids = keys.filter(here).filter(differs)
         result.changed += pc.count_distinct(ids).as_py()
         rows = pc.add(at.filter(differs), start).to_pylist()
         changed = sorted({*changed, *zip(rows, ids.to_pylist())})[:SHOWN_IDS]
         if len(result.first_unwritten) < SHOWN_IDS:
-            fresh = slice_keys.filter(pc.invert(pc.is_in(slice_keys, value_set=keys)))
+            unwritten = np.ones(len(slice_keys), dtype=bool)
+            unwritten[at.to_numpy()] = False
             wanted = SHOWN_IDS - len(result.first_unwritten)
-            result.first_unwritten += fresh.slice(0, wanted).to_pylist()
+            result.first_unwritten += slice_keys.filter(pa.array(unwritten))[:wanted].to_pylist()
     result.first_changed = changed
     missing = pc.unique(keys.filter(pa.array(~found)))
     result.absent = len(missing)

@@ -176,3 +176,20 @@ def test_parquet_inputs_are_read_a_file_at_a_time_in_plan_order(tmp_path: Path):
     plan = plan_input(job.input)
     digests = identity.input_digests(plan, job.input)
     assert digests == row_digests(plan.keys, pa.array(["c", "a", "b"]))
+
+
+def test_rows_of_repeated_or_missing_ids_are_not_compared(tmp_path: Path):
+    """Such rows are error rows, and their id names no one input row."""
+    rows = [{"id": "a", "prompt": "x"}, {"id": "dup", "prompt": "1"}]
+    rows += [{"id": "dup", "prompt": "2"}, {"prompt": "no id"}, {"prompt": "none either"}]
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    job = parse_job(job_dict(path, "builtin:sdar-nano", tmp_path / "out"))
+    plan = plan_input(job.input)
+    output = OutputDir(job.output.path)
+    ids = ["a", "dup", "dup", None, None]
+    write_part(output, [output_rows(ids, [r["prompt"] for r in rows])])
+    comparison = compare_written(output, plan, identity.input_digests(plan, job.input))
+    assert (comparison.rows, comparison.changed, comparison.absent) == (5, 0, 0)
+    write_part(output, [output_rows(["a"], ["y"], samples=2).slice(1)])  # a changed prompt
+    comparison = compare_written(output, plan, identity.input_digests(plan, job.input))
+    assert (comparison.changed, comparison.first_changed) == (1, [(0, "a")])
