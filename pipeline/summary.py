@@ -261,6 +261,8 @@ def lost_run_record(output: OutputDir, marker: dict[str, Any]) -> dict[str, Any]
         "generated_tokens": totals.generated_tokens,
         "tokens_per_second": totals.generated_tokens / wall if wall > 0 else None,
         "progress": [],
+        "batch_failures": None,  # what its replicas counted died with it
+        "prefill_seconds": None,
         "run_id": marker["run_id"],
     }
 
