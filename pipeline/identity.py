@@ -204,7 +204,7 @@ def compare_written(output: OutputDir, plan: InputPlan, digests: pa.Array) -> Co
         rows = pc.add(at.filter(differs), start).to_pylist()
         changed = sorted({*changed, *zip(rows, ids.to_pylist())})[:SHOWN_IDS]
         if len(result.first_unwritten) < SHOWN_IDS:
-            unwritten = np.ones(len(slice_keys), dtype=bool)
+            unwritten = ~pc.is_in(slice_keys, value_set=shared).to_numpy(zero_copy_only=False)
             unwritten[at.to_numpy()] = False
             wanted = SHOWN_IDS - len(result.first_unwritten)
             result.first_unwritten += slice_keys.filter(pa.array(unwritten))[:wanted].to_pylist()

@@ -94,7 +94,7 @@ def test_claiming_an_output(tmp_path: Path):
 def test_what_overwriting_removes_is_counted_before(tmp_path: Path):
     job = _job(tmp_path)
     assert clearing_removes(job) is None  # no folder yet
-    out = claim_output(job)
+    out = claim_output(job, plan_input(job.input))
     assert clearing_removes(job) == "fingerprint.json"
     data = Path(out.data)
     data.mkdir()
@@ -107,6 +107,6 @@ def test_what_overwriting_removes_is_counted_before(tmp_path: Path):
     assert clearing_removes(job) == (
         "2 part files (4 rows), summary.json (2 runs), report/, fingerprint.json"
     )
-    claim_output(job, overwrite=True)
+    claim_output(job, plan_input(job.input), overwrite=True)
     assert clearing_removes(job) == "fingerprint.json"  # the new job's own
     assert Path(out.root, "logs").is_dir()

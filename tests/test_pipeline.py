@@ -340,7 +340,10 @@ def test_a_write_that_dies_leaves_no_visible_file(tmp_path):
     with pytest.raises(OSError, match="killed"):
         write_atomically(output.filesystem, f"{output.data}/part-x.parquet", dies_half_way)
     assert output.part_files() == []
-    assert output.remove_partial_files() == 1
+    assert output.remove_partial_files() == 0  # the failed writer removed its temporary
+    killed = Path(output.data) / ".part-y.parquet.partial"  # a writer that was SIGKILLed
+    killed.write_bytes(b"PAR1" + b"\0" * 100)
+    assert output.part_files() == [] and output.remove_partial_files() == 1
 
     assert write_part(output, [table]) == 2
     assert write_part(output, [table.slice(1), table.slice(0, 1)]) == 2  # a retried write
