@@ -155,7 +155,7 @@ def generate(
 
 def stream(
     target: Target,
-    requests: Iterable[Request],
+    requests: Iterable[Request | None],
     config: DecodingConfig,
     drafter: Drafter | None = None,
     trace: Trace | None = None,
@@ -166,8 +166,13 @@ def stream(
     """Decode `requests` with continuous batching; yields (index in `requests`, result) as
     requests finish. Up to `max_active` requests decode at once (None: all of them); a
     request is taken from `requests` when a place is free, so `requests` may be a generator
-    that produces them as they come. prefix_cache: prompt KV to reuse and add to (its block
-    length is the config's; the target must take one, see `Target.prefix_cache_problem`)."""
+    that produces them as they come, for as long as it likes: it may yield None for "nothing
+    waiting right now" (the loop goes on with the requests it has and asks again at its next
+    iteration; with none active it asks again at once, so a source should then wait for
+    work), and the stream ends when `requests` ends and its last request finishes. Indices
+    count requests only, not the Nones. prefix_cache: prompt KV to reuse and add to (its
+    block length is the config's; the target must take one, see
+    `Target.prefix_cache_problem`)."""
     if max_active is not None and max_active < 1:
         raise ValueError(f"max_active must be at least 1, not {max_active}")
     if prefix_cache is not None:
@@ -180,7 +185,8 @@ def stream(
             )
     confidence = config.confidence or target.confidence
     hidden = (drafter is not None and drafter.needs_hidden) or getattr(trace, "needs_hidden", False)
-    waiting = enumerate(requests)
+    waiting = iter(requests)
+    taken, ended = 0, False  # requests taken from `requests`; whether it has ended
     active: list[_Active] = []
     noise = StepNoise(config.seed, config.temperature)  # drafter and commit rule share it
     while True:
@@ -190,16 +196,21 @@ def stream(
                 yield a.index, _finish(a)
         active = [a for a in active if not a.ended]
         admitted = []
-        while max_active is None or len(active) + len(admitted) < max_active:
-            index, request = next(waiting, (None, None))
-            if request is None:
+        while not ended and (max_active is None or len(active) + len(admitted) < max_active):
+            request = next(waiting, _END)
+            if request is _END:
+                ended = True
+            if request is None or request is _END:  # nothing (more) waiting now
                 break
-            admitted.append(_open(target, index, request, config, prefix_cache))
+            admitted.append(_open(target, taken, request, config, prefix_cache))
+            taken += 1
         if prefix_cache is not None and len(admitted) > 1:
             _prefill_shared(target, admitted)
         active += admitted
         if not active:
-            return
+            if ended:
+                return
+            continue  # nothing to decode yet: ask the source again
         # 1-2. roots are the last successors; the drafter grows trees from the stale logits
         trees, drafted = _propose(drafter, active, config, confidence, noise)
         # 3. one forward scores every node of every tree
@@ -240,6 +251,9 @@ def stream(
         if drafter is not None and drafted:
             drafter.observe_forward(verify_seconds, drafted_steps / len(drafted))
         noise.keep_ahead((a.key, a.root.step) for a in active if not a.ended)
+
+
+_END = object()  # `requests` has no more
 
 
 def _open(

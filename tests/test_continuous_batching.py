@@ -15,7 +15,7 @@ from pipeline.drafter_data import corpus_prompts, encode, load_model_and_tokeniz
 from spot.budget import AutoBudget, ForwardCost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
-from spot.decode import generate
+from spot.decode import generate, stream
 from spot.drafters.registry import acceptance_curve, load_drafter
 from tests import reference_loops as ref
 
@@ -103,6 +103,34 @@ def test_continuous_batching_is_token_identical_to_a_static_batch(
         assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
         if drafter is not None:
             assert sum(r.stats.nfe for r in results) < sum(r.stats.nfe for r in expected)
+
+
+@pytest.mark.parametrize("kind", [None, "spot"])
+def test_a_source_with_nothing_waiting_now_and_then(sdar_tiny, static, kind):
+    """A request source that often has nothing waiting (None), as a replica's queue between
+    its calls: the loop decodes what it has, asks again each iteration, takes requests as
+    they come (none active: it asks again at once) and ends when the source ends; indices
+    count requests only, and every request's tokens are a static batch's."""
+    target, requests = sdar_tiny
+    config = DecodingConfig(gen_length=64, block_length=32, temperature=0.8)
+    expected = static(config)
+    asked = {"none": 0}
+
+    def source():
+        for i, request in enumerate(requests):
+            for _ in range(8 if i == 0 else 40 * (i % 2)):  # nothing now, at times for long
+                asked["none"] += 1
+                yield None
+            yield request
+        for _ in range(5):
+            asked["none"] += 1
+            yield None
+
+    drafter = _drafter(kind, target, "static")
+    results = dict(stream(target, source(), config, drafter, max_active=2))
+    assert asked["none"] == 8 + 40 * (len(requests) // 2) + 5
+    assert sorted(results) == list(range(len(requests)))
+    assert _tokens(results[i] for i in range(len(requests))) == _tokens(expected)
 
 
 @pytest.mark.parametrize("kind", [None, "spot"])
