@@ -139,7 +139,7 @@ def submit(
     job = load_or_exit(job_file, overrides)
     plan = plan_or_exit(job, job_file)
     from pipeline.ray_auth import client_token_from_environment, prepare_embedded_ray
-    from pipeline.runlog import failure_reason, run_log
+    from pipeline.runlog import failure_reason
 
     address = None if in_cluster else address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -159,31 +159,50 @@ def submit(
             sys.exit(1)
         return
     if not in_cluster:
-        prepare_embedded_ray()  # read by Ray when imported, just below
-    from pipeline.claim import hold_output
+        prepare_embedded_ray()  # read by Ray when imported, below
     from pipeline.fingerprint import clearing_removes
-    from pipeline.runner import run_job
 
     removes = (
         or_exit(f"cannot submit {job_file}:", lambda: clearing_removes(job)) if overwrite else None
     )
+    options = {"overwrite": overwrite, "extend": extend, "retry_failed": retry_failed}
+
+    def run(ray_address: str | None) -> None:
+        _run(job, job_file, plan, ray_address, progress_interval, options, removes)
+
+    if in_cluster:
+        run("auto")
+    else:  # the embedded Ray's processes out of reach of signals to this command's group
+        from pipeline.session import own_session
+
+        own_session(lambda: run(None))
+
+
+def _run(
+    job,
+    job_file: str,
+    plan,
+    ray_address: str | None,
+    progress_interval: float,
+    options: dict[str, bool],
+    removes: str | None,
+) -> None:
+    """`submit`'s run, in the driver's process: it holds the output (`pipeline.claim`), says
+    its lines on the terminal and in the run's log, exits 1 on a failure and 128 + the signal
+    when a signal stopped it. `options`: hold_output's overwrite, extend and retry_failed;
+    `removes`: what --overwrite deletes, counted before."""
+    from pipeline.claim import hold_output
+    from pipeline.control import RunInterrupted
+    from pipeline.runlog import failure_reason, run_log
+    from pipeline.runner import run_job
 
     def lease_lost(message: str) -> None:  # from the heartbeat thread: stop the run
         click.echo(f"[{job.name}] {message}; stopping", err=True)
         _thread.interrupt_main()
 
-    ray_address = "auto" if in_cluster else None
     failure: BaseException | None = None
     terminal = sys.stdout
-    held = hold_output(
-        job,
-        plan,
-        overwrite=overwrite,
-        extend=extend,
-        retry_failed=retry_failed,
-        echo=click.echo,
-        on_lost=lease_lost,
-    )
+    held = hold_output(job, plan, **options, echo=click.echo, on_lost=lease_lost)
     with (
         exits_on_job_error(f"cannot submit {job_file}:"),
         held as run,
@@ -194,7 +213,7 @@ def submit(
             click.echo(line, file=terminal)
             log.write(line + "\n")
 
-        if overwrite:
+        if options["overwrite"]:
             removed = f"removed {removes}" if removes else "nothing to remove"
             echo(f"[{job.name}] --overwrite: {removed} in {run.output.uri} (logs/ kept)")
         bar = terminal if terminal.isatty() else None
@@ -206,9 +225,15 @@ def submit(
                 progress_interval=progress_interval,
                 progress_bar=bar,
             )
+        except RunInterrupted as error:
+            log.write(error.summary + "\n")
+            failure = error
         except (Exception, KeyboardInterrupt) as error:
             log.write(traceback.format_exc())
             failure = error
+    if isinstance(failure, RunInterrupted):
+        click.echo(failure.summary, err=True)
+        sys.exit(failure.exit_code)
     if isinstance(failure, KeyboardInterrupt):
         click.echo(f"[{job.name}] interrupted; the rows written are kept", err=True)
         click.echo(f"  the full log: {log_path}", err=True)

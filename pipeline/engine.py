@@ -14,6 +14,7 @@ earlier step passes the later ones untouched.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,11 +23,14 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from pipeline.job import InputConfig, Job
+from pipeline.decoder import Call, Decoder, Pending
+from pipeline.job import AUTO_PREFIX_CACHE_BYTES, InputConfig, Job
 from pipeline.prompts import PromptError, cut_at_stop, find_stop, prompt_ids, prompt_text
 from pipeline.schema import (
     GENERATED_FIELDS,
+    GENERATION_ERROR,
     ID,
+    INPUT_ERROR,
     MESSAGES,
     PROMPT,
     PROMPT_IDS,
@@ -35,7 +39,8 @@ from pipeline.schema import (
 )
 from spot import noise
 from spot.budget import AutoBudget
-from spot.decode import Drafter, Request, Result, stream
+from spot.decode import Drafter, Request, Result
+from spot.models.prefix_cache import PrefixCache
 from spot.target import Target
 from spot.tree import Layout
 
@@ -176,9 +181,18 @@ class Engine:
         self.drafter = build_drafter(job, self.target)
         self.drafter_label = job.drafter_label()
         self.eos_ids = torch.tensor(self.target.eos_ids)
-        # sees (rows, errors, generated tokens, forwards) of each group of resources.batch_size
-        # requests as they finish: the replica's live progress (tokens before stop strings)
-        self.on_batch: Callable[[int, int, int, int], None] | None = None
+        self.prefix_cache = make_prefix_cache(job, self.target)
+        # sees (call name, its rows, errors, generated tokens, forwards so far) every
+        # resources.batch_size rows the replica finishes: live progress (tokens before stop
+        # strings are cut)
+        self.on_progress: Callable[[str, tuple[int, int, int, int]], None] | None = None
+        # sees the first line of each failed batch's error
+        self.on_failure: Callable[[str], None] | None = None
+        self._decoder: Decoder | None = None
+        self._progress_lock = threading.Lock()
+        self._changed: dict[int, RowsInFlight] = {}
+        self._since_report = 0
+        self._budget_seen: Counter = Counter()
 
     def encode(self, row: Mapping[str, Any] | str) -> list[int]:
         """Prompt token ids of a row (or a plain prompt), see `pipeline.prompts.prompt_ids`."""
@@ -235,99 +249,61 @@ class Engine:
         (completion_token_ids, to the first EOS or the end of the block that held a stop
         string; `detokenize_rows` cuts and decodes them), in the same order. A row with an
         error comes back as an error row without being decoded."""
-        ids = batch.column(ID).to_pylist()
-        samples = batch.column(SAMPLE_INDEX).to_pylist()
-        errors = batch.column(ROW_ERROR).to_pylist()
-        prompts = batch.column(PROMPT_IDS).to_pylist()
-        columns: dict[str, list] = {f.name: [None] * batch.num_rows for f in GENERATED_FIELDS}
-        columns["model"] = [self.job.model.path.text] * batch.num_rows
-        columns["drafter"] = [self.drafter_label] * batch.num_rows
-        columns["seed"] = [self.config.seed] * batch.num_rows
+        rows = self.submit_rows(batch)
+        rows.call.done.result()
+        return rows.table()
 
-        pending: list[int] = []
-        requests: list[Request] = []
-        for i, (row_id, sample, error, token_ids) in enumerate(zip(ids, samples, errors, prompts)):
-            error = error or self.length_problem(len(token_ids))
-            if error is not None:
-                columns["error"][i] = error
-                columns["finish_reason"][i] = "error"
-                continue
-            columns["num_prompt_tokens"][i] = len(token_ids)
-            key = noise.request_key(row_id, sample)
-            prompt = torch.tensor(token_ids, dtype=torch.long)
-            requests.append(Request(prompt, key, self._stop_check()))
-            pending.append(i)
+    def submit_rows(self, batch: pa.Table, name: str = "") -> RowsInFlight:
+        """Step 2, started: the rows' requests join the replica's decode loop, behind those
+        of its other calls (this call's sorted by prompt ids, so rows that share a prefix
+        decode together); `RowsInFlight.table()` once `.call.done`. `name` names the call in
+        progress reports."""
+        rows = RowsInFlight(self, batch, name)
+        self.decoder.submit(rows.pending)
+        return rows
 
-        auto = self.drafter if isinstance(self.drafter, AutoBudget) else None
-        before = Counter(auto.timed) if auto else Counter()
-        results = self._generate(requests)
-        if auto and batch.num_rows:  # the budgets auto ran at, on the first row (schema)
-            columns["budget_iterations"][0] = _budget_iterations(Counter(auto.timed) - before)
-        for i, result in zip(pending, results):
-            if isinstance(result, str):
-                columns["error"][i] = result
-                columns["finish_reason"][i] = "error"
-                continue
-            completion_ids = self.completion_ids(result)
-            stats = result.stats
-            columns["completion_token_ids"][i] = completion_ids
-            columns["num_generated_tokens"][i] = len(completion_ids)
-            columns["nfe"][i] = stats.nfe
-            columns["steps"][i] = stats.steps
-            columns["accepted_steps_per_forward"][i] = stats.steps_per_forward
-            columns["forward_share"][i] = stats.forward_share
-            columns["tree_nodes_verified"][i] = stats.tree_nodes
-            columns["drafter_seconds"][i] = stats.drafter_seconds
-            columns["wall_seconds"][i] = stats.wall_seconds
-            columns["finish_reason"][i] = result.finish_reason
-        return _output_table(batch, columns)
+    @property
+    def decoder(self) -> Decoder:
+        """The replica's one decode loop (`pipeline.decoder`), made on first use."""
+        if self._decoder is None:
+            self._decoder = Decoder(
+                self.target,
+                self.config,
+                self.drafter,
+                max_active=self.job.resources.batch_size,
+                prefix_cache=self.prefix_cache,
+                max_error_rate=self.job.resources.max_error_rate,
+            )
+            self._decoder.on_failure = self.on_failure
+        return self._decoder
 
     def _stop_check(self) -> StopStrings | None:
         stops = self.job.decoding.stop
         return StopStrings(self.tokenizer, stops) if stops else None
 
-    def _generate(self, requests: Sequence[Request]) -> list[Result | str]:
-        """Results in request order, decoded continuously: resources.batch_size requests at
-        a time, a finished one's place taken by the next at once. If decoding fails, the
-        results already made are kept and each unfinished request is decoded alone; one
-        that fails even alone yields its error text."""
-        results: list[Result | str | None] = [None] * len(requests)
-        size = self.job.resources.batch_size
-        group: list[Result | str] = []  # finished since the last progress report
-
-        def finished(index: int, result: Result | str) -> None:
-            results[index] = result
-            group.append(result)
-            if len(group) == size:
-                self._report(group)
-                group.clear()
-
-        try:
-            for index, result in stream(
-                self.target, requests, self.config, self.drafter, max_active=size
-            ):
-                finished(index, result)
-        except Exception:  # the requests left are decoded alone, below
-            pass
-        for index, result in enumerate(results):
-            if result is None:
-                finished(index, self._generate_alone(requests[index]))
-        self._report(group)
-        return results
-
-    def _generate_alone(self, request: Request) -> Result | str:
-        try:
-            [(_, result)] = stream(self.target, [request], self.config, self.drafter)
-        except Exception as error:
-            return f"generation failed: {type(error).__name__}: {error}"
-        return result
-
-    def _report(self, group: list[Result | str]) -> None:
-        if self.on_batch is None or not group:
+    def _finished(self, rows: RowsInFlight) -> None:
+        """Progress: every resources.batch_size rows the replica finishes, the counts of the
+        calls they belong to."""
+        if self.on_progress is None:
             return
-        done = [r for r in group if not isinstance(r, str)]
-        tokens = sum(len(self.completion_ids(r)) for r in done)
-        self.on_batch(len(group), len(group) - len(done), tokens, sum(r.stats.nfe for r in done))
+        with self._progress_lock:
+            self._changed[id(rows)] = rows
+            self._since_report += 1
+            if self._since_report < self.job.resources.batch_size and rows.call.left:
+                return
+            changed, self._changed, self._since_report = list(self._changed.values()), {}, 0
+        for call in changed:
+            self.on_progress(call.name, tuple(call.counts))
+
+    def budget_iterations(self) -> list[dict[str, int]] | None:
+        """With budget auto, the iterations it ran at each budget since the last call asked
+        (each call takes those of its time, so the column sums to the job's)."""
+        if not isinstance(self.drafter, AutoBudget):
+            return None
+        with self._progress_lock:
+            now = Counter(self.drafter.timed)
+            ran, self._budget_seen = now - self._budget_seen, now
+        return _budget_iterations(ran)
 
     def completion_ids(self, result: Result) -> list[int]:
         """Generated ids up to and including the first EOS (the EOS fill after it dropped);
@@ -339,6 +315,124 @@ class Engine:
             end = int(is_eos.nonzero()[0, 0])
             tokens = tokens[: end if result.finish_reason == "stop" else end + 1]
         return tokens.tolist()
+
+
+class RowsInFlight:
+    """One call's rows while the decoder works on them: the error rows made at once (their
+    `error_kind` "input"), a request per row that can be generated, and the counts of those
+    finished so far."""
+
+    def __init__(self, engine: Engine, batch: pa.Table, name: str):
+        self.engine = engine
+        self.batch = batch
+        self.name = name
+        self.counts = [0, 0, 0, 0]  # rows, errors, generated tokens, forwards finished
+        ids = batch.column(ID).to_pylist()
+        samples = batch.column(SAMPLE_INDEX).to_pylist()
+        errors = batch.column(ROW_ERROR).to_pylist()
+        prompts = batch.column(PROMPT_IDS).to_pylist()
+        n = batch.num_rows
+        self.columns: dict[str, list] = {f.name: [None] * n for f in GENERATED_FIELDS}
+        self.columns["model"] = [engine.job.model.path.text] * n
+        self.columns["drafter"] = [engine.drafter_label] * n
+        self.columns["seed"] = [engine.config.seed] * n
+        generated = []
+        for i, (error, token_ids) in enumerate(zip(errors, prompts)):
+            error = error or engine.length_problem(len(token_ids))
+            if error is not None:
+                self._error(i, error, INPUT_ERROR)
+            else:
+                self.columns["num_prompt_tokens"][i] = len(token_ids)
+                generated.append(i)
+        generated.sort(key=lambda i: prompts[i])  # rows that share a prefix decode together
+        self.rows = generated  # the batch row of each request
+        self.call = Call(len(generated), self._outcome)
+        several = engine.job.decoding.samples_per_prompt > 1
+        self.pending = [
+            Pending(
+                Request(
+                    torch.tensor(prompts[i], dtype=torch.long),
+                    noise.request_key(ids[i], samples[i]),
+                    engine._stop_check(),
+                ),
+                f"{ids[i]} (sample {samples[i]})" if several else str(ids[i]),
+                self.call,
+                position,
+            )
+            for position, i in enumerate(generated)
+        ]
+        self.budget: list[dict[str, int]] | None = None
+
+    def _error(self, i: int, error: str, kind: str) -> None:
+        self.columns["error"][i] = error
+        self.columns["error_kind"][i] = kind
+        self.columns["finish_reason"][i] = "error"
+
+    def _outcome(self, position: int, outcome: Result | str | None) -> None:
+        """A request's outcome, as the decoder resolves it."""
+        if outcome is None:  # let go unfinished: not written
+            return
+        i = self.rows[position]
+        self.counts[0] += 1
+        if isinstance(outcome, str):
+            self.counts[1] += 1
+            self._error(i, outcome, GENERATION_ERROR)
+        else:
+            self._result(i, outcome)
+        if not self.call.left:  # its last row: the budgets auto ran at while it decoded
+            self.budget = self.engine.budget_iterations()
+        self.engine._finished(self)
+
+    def _result(self, i: int, result: Result) -> None:
+        completion_ids = self.engine.completion_ids(result)
+        stats, columns = result.stats, self.columns
+        columns["completion_token_ids"][i] = completion_ids
+        columns["num_generated_tokens"][i] = len(completion_ids)
+        columns["nfe"][i] = stats.nfe
+        columns["steps"][i] = stats.steps
+        columns["accepted_steps_per_forward"][i] = stats.steps_per_forward
+        columns["forward_share"][i] = stats.forward_share
+        columns["tree_nodes_verified"][i] = stats.tree_nodes
+        columns["drafter_seconds"][i] = stats.drafter_seconds
+        columns["wall_seconds"][i] = stats.wall_seconds
+        columns["prompt_tokens_reused"][i] = stats.prompt_tokens_reused
+        columns["prompt_tokens_computed"][i] = stats.prompt_tokens_computed
+        columns["prefill_seconds"][i] = stats.prefill_seconds
+        columns["finish_reason"][i] = result.finish_reason
+        self.counts[2] += len(completion_ids)
+        self.counts[3] += stats.nfe
+
+    def table(self) -> pa.Table:
+        """The output rows, in the batch's order, once the call is done: its error rows and
+        every finished row; rows let go unfinished (a drain) are left out."""
+        let_go = {
+            self.rows[position]
+            for position, outcome in enumerate(self.call.outcomes)
+            if outcome is None
+        }
+        if self.batch.num_rows and self.budget is not None and 0 not in let_go:
+            self.columns["budget_iterations"][0] = self.budget
+        table = _output_table(self.batch, self.columns)
+        if not let_go:
+            return table
+        kept = [i for i in range(self.batch.num_rows) if i not in let_go]
+        return table.take(pa.array(kept, pa.int64()))
+
+
+def make_prefix_cache(job: Job, target: Target) -> PrefixCache | None:
+    """The replica's prefix cache (`resources.prefix_cache_bytes`): auto gives one of
+    AUTO_PREFIX_CACHE_BYTES to a target that can take one, and none to another; a size
+    asked of a target that cannot take one is refused, with the target's reason."""
+    size = job.resources.prefix_cache_bytes
+    if size == 0:
+        return None
+    problem = target.prefix_cache_problem
+    if problem is not None:
+        if size == "auto":
+            return None
+        raise ValueError(f"resources.prefix_cache_bytes: {problem}; set 0 or auto")
+    budget = AUTO_PREFIX_CACHE_BYTES if size == "auto" else size
+    return PrefixCache(budget, job.decoding.block_length)
 
 
 def _budget_iterations(ran: Counter) -> list[dict[str, int]]:

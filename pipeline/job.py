@@ -39,6 +39,12 @@ from spot.drafters.registry import DRAFTERS, drafter_kind
 from spot.models.family_index import FAMILY_INDEX, family_reading
 from spot.models.hub import hub_problem
 
+# resources.prefix_cache_bytes: auto, where the target can take a prefix cache: enough for a
+# few thousand tokens of prefixes of an 8B target (~144 KiB per token in bfloat16)
+AUTO_PREFIX_CACHE_BYTES = 256 * 2**20
+# resources.max_error_rate is taken over this many of a replica's most recent rows
+ERROR_WINDOW = 100
+
 
 class JobError(ValueError):
     """A job that cannot run; `problems` holds one `key.path: message` line per problem."""
@@ -269,6 +275,38 @@ class ResourcesConfig(_Section):
         description="CPUs per replica; also its torch thread count. On a small machine keep "
         "replicas * num_cpus at or below the cores you have.",
     )
+    prefix_cache_bytes: int | Literal["auto"] = Field(
+        "auto",
+        description="Bytes of prompt-prefix keys and values a replica keeps, on the target's "
+        "device, so a prefix its rows share (a system prompt, few-shot examples) is computed "
+        "once per replica (block-causal targets: SDAR, LLaDA2.0; exact). auto: "
+        f"{AUTO_PREFIX_CACHE_BYTES // 2**20} MiB where the target can take one, none where it "
+        "cannot (bidirectional LLaDA and Dream, tensor parallel); 0: off.",
+    )
+    max_error_rate: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the job when more than this share of a replica's last "
+        f"{ERROR_WINDOW} rows failed in generation (a bug, a broken checkpoint, out of memory "
+        "at batch 1), naming the most common error and example rows; what was written is "
+        "kept. 1 never stops. Rows that cannot be generated as given (bad input) do not count.",
+    )
+    grace_seconds: float = Field(
+        20.0,
+        ge=0.0,
+        description="On SIGTERM or SIGINT (a scheduler, a preempted node, Ctrl-C) the run "
+        "admits no new rows and its replicas finish the rows they are decoding for up to this "
+        "long; what finished is written, the rest is left for a resubmit. Keep it a few "
+        "seconds under the time your scheduler waits before SIGKILL (Kubernetes: 30 s).",
+    )
+
+    @field_validator("prefix_cache_bytes")
+    @classmethod
+    def _cache_size(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 (off), a number of bytes or auto")
+        return value
 
 
 class OutputConfig(_Section):
@@ -545,6 +583,7 @@ def check_paths(job: Job) -> None:
         )
     if model_dir is not None:
         problems += _family_problems(job.model.family, model_dir)
+        problems += _prefix_cache_problems(job, model_dir)
     problems += _output_problems(job.output.path)
     problems += _gpu_problems(job)
     if problems:
@@ -588,6 +627,26 @@ def _family_problems(family: str | None, model_dir: Path) -> list[str]:
             "or leave it out"
         ]
     return []
+
+
+def _prefix_cache_problems(job: Job, model_dir: Path) -> list[str]:
+    """A prefix cache asked (a size, not auto) of a target that cannot take one."""
+    size = job.resources.prefix_cache_bytes
+    if size == "auto" or size == 0:
+        return []
+    if job.model.tensor_parallel > 1:
+        from spot.models.tensor_parallel import NO_PREFIX_CACHE
+
+        return [f"resources.prefix_cache_bytes: {NO_PREFIX_CACHE}; set 0 or auto"]
+    from spot.models.registry import families, prefix_cache_problem
+
+    try:
+        name = job.model.family or checkpoint_family(model_dir)[1]
+    except (OSError, ValueError):
+        return []  # _family_problems says why
+    family = families().get(name) if name else None
+    problem = family and prefix_cache_problem(family.block_causal)
+    return [f"resources.prefix_cache_bytes: {problem}; set 0 or auto"] if problem else []
 
 
 def _output_problems(where: Location) -> list[str]:

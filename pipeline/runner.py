@@ -10,9 +10,11 @@ cluster instead (used inside a Ray Jobs submission, see `submit_to_cluster`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +30,7 @@ import pyarrow.compute as pc
 import ray
 from ray.data import DataContext
 
+from pipeline.control import RunControl, RunInterrupted, SignalStop
 from pipeline.fingerprint import claim_output
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
@@ -35,6 +38,7 @@ from pipeline.output import OutputDir, OutputWriteError, row_keys
 from pipeline.processor import build_processor
 from pipeline.progress import ProgressPrinter
 from pipeline.ray_auth import embedded_ray
+from pipeline.runlog import failure_reason
 from pipeline.stages import AtomicParquetDatasink, GenerationActor
 from pipeline.summary import build_summary, output_totals
 
@@ -143,24 +147,38 @@ def run_job(
     progress = ProgressPrinter(
         job.name, pending, echo, progress_interval, progress_bar, job.resources.replicas
     )
-    failure = None
-    try:
-        if pending:
-            progress.starting_ray()
-            with ray_session(job, ray_address), progress:
-                _execute(run, done, pending, actor_class, progress.counter)
-    except BaseException as error:
-        failure = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        raise
-    finally:
+    stop = SignalStop(echo, job.name)  # SIGTERM / SIGINT drain the run (pipeline.control)
+    failure: BaseException | None = None
+    report: dict[str, Any] = {}  # what the run's control learnt: batch failures
+    with stop:
+        try:
+            if pending:
+                progress.starting_ray()
+                with ray_session(job, ray_address), progress:
+                    stop.reinstall()  # ray.init installs its own SIGTERM handler
+                    _execute(run, done, pending, actor_class, progress.counter, stop, report)
+        except BaseException as error:
+            failure = error
         wall = time.perf_counter() - start
         new_parts = set(output.part_files()) - set(written_before)
         counted, written = output_totals(output, new_parts)
         previous = output.read_summary() or {}
-        this_run = _run_record(run, written, started, wall, progress.samples, failure)
+        interrupted = _interruption(failure, stop, written.get("rows", 0), pending)
+        this_run = _run_record(
+            run, written, started, wall, progress.samples, failure, interrupted, report
+        )
         this_run.update(_decoding_and_phases(progress))
         summary = build_summary(job, counted, [*previous.get("runs", []), this_run])
         _write_summary(output, summary, failure, echo)
+    if interrupted is not None:
+        rows = summary["totals"]["rows"]
+        interrupted.summary = (
+            f"[{job.name}] interrupted: {rows} rows kept, {pending - this_run['rows_written']} "
+            "left; resubmit to continue"
+        )
+        raise interrupted from failure
+    if failure is not None:
+        raise failure
     echo(_done_line(job, summary["totals"], this_run))
     return summary
 
@@ -195,26 +213,52 @@ def _execute(
     pending: int,
     actor_class: type,
     counter: ray.actor.ActorHandle,
+    stop: SignalStop,
+    report: dict[str, Any],
 ) -> None:
     """The Ray Data pipeline, streaming from the input to part files: the processor between
     this run's read and write. The replicas report to `counter` (pipeline.progress), so Ray
-    Data's own progress output is turned off."""
+    Data's own progress output is turned off; a `RunControl` drains them when `stop` gets a
+    signal, and `report` receives the batch failures they counted."""
     context = DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+    control = RunControl.remote()
     process = build_processor(
         run.job,
         requests=pending,
         done=done,
         duplicate_ids=run.plan.duplicate_ids,
         progress=counter,
+        control=control,
         replica=actor_class,
     )
-    process(read_input(run.plan)).write_datasink(AtomicParquetDatasink(run.output, run.run_id))
+    try:
+        with stop.running(control, run.job.resources.grace_seconds):
+            sink = AtomicParquetDatasink(run.output, run.run_id, control)
+            process(read_input(run.plan)).write_datasink(sink)
+    finally:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            report["batch_failures"] = ray.get(control.batch_failures.remote(), timeout=10)
+        ray.kill(control)
+
+
+def _interruption(
+    failure: BaseException | None, stop: SignalStop, rows_written: int, pending: int
+) -> RunInterrupted | None:
+    """How the run was interrupted, if it was: stopped by a signal (or Ctrl-C), or drained
+    by one and ended with rows left."""
+    if isinstance(failure, RunInterrupted):
+        return failure
+    if isinstance(failure, KeyboardInterrupt):
+        return RunInterrupted(signal.SIGINT)
+    if failure is None and stop.signum is not None and rows_written < pending:
+        return RunInterrupted(stop.signum)
+    return None
 
 
 def _write_summary(
-    output: OutputDir, summary: dict[str, Any], failure: str | None, echo: Echo
+    output: OutputDir, summary: dict[str, Any], failure: BaseException | None, echo: Echo
 ) -> None:
     """Write summary.json; when the run failed already (a full disk, say), a summary that
     cannot be written is told in a line, and the run's own failure is the one raised (its
@@ -233,15 +277,23 @@ def _run_record(
     started: str,
     wall: float,
     samples: list[list[float]],
-    failure: str | None,
+    failure: BaseException | None,
+    interrupted: RunInterrupted | None,
+    report: dict[str, Any],
 ) -> dict[str, Any]:
     """This run's share of the output: the totals of the parts it wrote (a part holds only
     rows that were not written before, so new parts are exactly the new rows)."""
     rows, tokens = written["rows"], written["generated_tokens"]
+    if interrupted is not None:
+        status, error = "interrupted", f"stopped by {interrupted}"
+    elif failure is not None:
+        status, error = "failed", failure_reason(failure)
+    else:
+        status, error = "succeeded", None
     return {
         "run_id": run.run_id,
-        "status": "failed" if failure else "succeeded",
-        "error": failure,
+        "status": status,
+        "error": error,
         "started_at": started,
         "wall_seconds": wall,
         "replicas": run.job.resources.replicas,
@@ -249,6 +301,8 @@ def _run_record(
         "rows_retried": run.rows_retried,
         "generated_tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else None,
+        "prefill_seconds": written.get("prefill_seconds", 0.0),
+        "batch_failures": report.get("batch_failures", {"count": 0, "by_error": {}}),
         "progress": samples,
     }
 

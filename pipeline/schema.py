@@ -9,6 +9,8 @@ ID = "id"
 PROMPT = "prompt"
 MESSAGES = "messages"  # the conversation of a job with input.messages_column
 SAMPLE_INDEX = "sample_index"
+INPUT_ERROR = "input"  # error_kind of a row that cannot be generated as given
+GENERATION_ERROR = "generation"  # error_kind of a row whose generation failed
 ROW_ERROR = "_row_error"  # internal: an error found before generation (null or duplicate id)
 PROMPT_IDS = "_prompt_ids"  # internal: the prompt's token ids, from the tokenize stage
 INPUT_DIGEST = "input_digest"  # a digest of the row's id and prompt (pipeline.identity)
@@ -38,8 +40,18 @@ GENERATED_FIELDS = (
     pa.field("tree_nodes_verified", pa.int64()),
     pa.field("drafter_seconds", pa.float64()),
     pa.field("wall_seconds", pa.float64()),
+    # its prompt's positions whose keys and values came from the replica's prefix cache (or
+    # were computed once for it and rows admitted with it), those computed in its name, and
+    # the time of computing them (spot.decode.RequestStats)
+    pa.field("prompt_tokens_reused", pa.int64()),
+    pa.field("prompt_tokens_computed", pa.int64()),
+    pa.field("prefill_seconds", pa.float64()),
     pa.field("finish_reason", pa.string()),
     pa.field("error", pa.string()),
+    # why a row has an error: "input" (it cannot be generated as given: no id, duplicate id,
+    # null / empty / non-string prompt, prompt too long, template error, unreadable line) or
+    # "generation" (the target or drafter failed on it; a resubmit may succeed)
+    pa.field("error_kind", pa.string()),
     pa.field("model", pa.string()),
     pa.field("drafter", pa.string()),
     pa.field("seed", pa.int64()),

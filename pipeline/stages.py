@@ -8,6 +8,7 @@ the replicas their model, in their own actors."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Any
@@ -30,13 +31,16 @@ from pipeline.schema import ID, INPUT_DIGEST, MESSAGES, PROMPT, ROW_ERROR, SAMPL
 # Blocks are what replicas are handed and what part files hold: enough of them that every
 # replica gets work and a crash loses little, few enough that part files stay large.
 BLOCKS_PER_REPLICA = 4
+# Blocks a replica holds at once (calls in flight): their rows feed its one decode loop, so
+# while one call's last rows decode, the next call's rows fill the batch.
+CALLS_PER_REPLICA = 3
 MAX_BATCHES_PER_BLOCK = 32
 # ...but no more blocks than this in one run: Ray Data keeps statistics of every block each
 # operator outputs in the driver until the run ends (ray-project/ray#66016, ~40 KB per
 # block through this pipeline), so a 50M-row job in 256-row blocks would hold ~8 GiB.
 MAX_BLOCKS_PER_RUN = 10_000
-# A replica decodes a block continuously, its batch refilled as requests finish, until the
-# block's last batch drains: at least this many batches per block keep that tail short.
+# At least this many batches per block (unless that is more than a replica's share): part
+# files of a few rows would be many and small.
 MIN_BATCHES_PER_BLOCK = 4
 # CPUs a tokenize or detokenize actor reserves (up to one of each per replica). Their work
 # is light; a fractional reservation beside the replicas could leave no node the whole CPU
@@ -60,15 +64,25 @@ def rows_per_block(pending_rows: int | None, job: Job) -> int:
 
 class AtomicParquetDatasink(Datasink[int]):
     """Each write task writes its blocks as one part file, atomically, its metadata naming
-    the run (see pipeline.output)."""
+    the run (see pipeline.output), and counts its rows to the run's
+    `pipeline.control.RunControl` when given one."""
 
-    def __init__(self, output: OutputDir, run: str | None = None):
+    def __init__(
+        self,
+        output: OutputDir,
+        run: str | None = None,
+        control: ray.actor.ActorHandle | None = None,
+    ):
         self.output = output
         self.run = run
+        self.control = control
 
     def write(self, blocks, ctx) -> int:
         tables = (BlockAccessor.for_block(b).to_arrow() for b in blocks)
-        return write_part(self.output, tables, self.run)
+        rows = write_part(self.output, tables, self.run)
+        if self.control is not None:
+            ray.get(self.control.written_rows.remote(rows))
+        return rows
 
 
 def expand_rows(
@@ -162,17 +176,23 @@ def on_replicas(
 ) -> ray.data.Dataset:
     """`dataset` cut into blocks of `block` rows, mapped a block per call by
     `resources.replicas` actors of `actor_class(**actor_kwargs)`, each with the replica's
-    CPUs and GPUs."""
+    CPUs and GPUs and CALLS_PER_REPLICA calls in flight (an async `__call__`, as Ray Data
+    LLM's engine stages run theirs)."""
     dataset = dataset.repartition(target_num_rows_per_block=block)
+    pool = ActorPoolStrategy(
+        size=job.resources.replicas,
+        max_tasks_in_flight_per_actor=CALLS_PER_REPLICA,
+        max_concurrent_calls_per_actor=CALLS_PER_REPLICA,
+    )
     return dataset.map_batches(
         actor_class,
         batch_format="pyarrow",
         batch_size=block,  # a block per call: the engine batches its rows itself
-        compute=ActorPoolStrategy(size=job.resources.replicas),
+        compute=pool,
         fn_constructor_kwargs=actor_kwargs,
         num_cpus=job.resources.num_cpus,
         num_gpus=job.resources.num_gpus,
-    )  # Ray Data's defaults restart a replica that dies and retry its batch elsewhere
+    )  # Ray Data's defaults restart a replica that dies and retry its calls elsewhere
 
 
 def first_key(batch: pa.Table) -> str:
@@ -224,35 +244,44 @@ class DetokenizeStage:
 
 class GenerationActor:
     """One replica: builds the engine once, then maps blocks of tokenized rows to output
-    rows holding token ids (`Engine.generate_rows`). (torch is imported here, in the
-    replica: the driver never loads it.)"""
+    rows holding token ids. The blocks it holds at once (CALLS_PER_REPLICA calls) all feed
+    the engine's one decode loop (`pipeline.decoder`), so its batch stays full across
+    calls; each call returns its own rows when they are done. Progress goes to a
+    `pipeline.progress.ProgressCounter`, drains and failures through a
+    `pipeline.control.RunControl`. (torch is imported here, in the replica: the driver never
+    loads it.)"""
 
-    def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
+    def __init__(
+        self,
+        job: Job,
+        progress: ray.actor.ActorHandle | None = None,
+        control: ray.actor.ActorHandle | None = None,
+    ):
         started = time.perf_counter()
         import torch
 
+        from pipeline.control import ReplicaControl
         from pipeline.engine import Engine
 
         torch.set_num_threads(max(1, round(job.resources.num_cpus)))
         self.engine = Engine(job)
-        self.progress = progress  # a pipeline.progress.ProgressCounter
-        self.block = ""
-        self.counts = (0, 0, 0, 0)
+        self.progress = progress
         if progress is not None:
-            self.engine.on_batch = self._batch_done
+            self.engine.on_progress = lambda call, counts: progress.report.remote(call, counts)
             replica = ray.get_runtime_context().get_actor_id() or ""
             progress.ready.remote(replica, time.perf_counter() - started)
+        self.control = None if control is None else ReplicaControl(control, self.engine)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        self.block, self.counts = first_key(batch), (0, 0, 0, 0)
-        out = self.engine.generate_rows(batch)
-        if self.progress is not None:  # the block's rows as written replace its batches'
-            self.progress.report.remote(self.block, table_counts(out))
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        name = first_key(batch)
+        rows = self.engine.submit_rows(batch, name)
+        await asyncio.wrap_future(rows.call.done)
+        out = rows.table()
+        if self.progress is not None:  # the block's rows as written replace its counts
+            self.progress.report.remote(name, table_counts(out))
+        if self.control is not None:
+            await self.control.returned(out.num_rows)
         return out
-
-    def _batch_done(self, *counts: int) -> None:
-        self.counts = tuple(a + b for a, b in zip(self.counts, counts))
-        self.progress.report.remote(self.block, self.counts)
 
 
 def _total(table: pa.Table, column: str) -> int:

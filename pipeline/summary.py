@@ -99,6 +99,11 @@ COUNTED = [
     "steps",
     "accepted_steps_per_forward",
     "forward_share",
+    "wall_seconds",
+    "prompt_tokens_reused",
+    "prompt_tokens_computed",
+    "prefill_seconds",
+    "error_kind",
 ]
 """The output columns the totals read: never the prompts, completions or token ids (a part
 written before a column existed reads without it)."""
@@ -121,6 +126,13 @@ class Totals:
     nfe: Counter[int] = field(default_factory=Counter)
     finish_reasons: Counter[str] = field(default_factory=Counter)
     error_kinds: Counter[str] = field(default_factory=Counter)
+    errors_by_kind: Counter[str] = field(default_factory=Counter)  # input / generation
+    prompt_tokens_reused: int = 0
+    prompt_tokens_computed: int = 0
+    prefill_seconds: float = 0.0
+    # the replicas' decoding time: each row's wall time over the requests it shared its
+    # forwards with (nfe / forward_share), summed
+    decode_seconds: float = 0.0
 
     def add(self, batch: pa.RecordBatch | pa.Table) -> None:
         """Count the rows of `batch` (it needs the COUNTED columns only)."""
@@ -141,6 +153,18 @@ class Totals:
         self.finish_reasons.update(_value_counts(batch.column("finish_reason")))
         kinds = pc.utf8_slice_codeunits(pc.drop_null(errors), 0, 40)
         self.error_kinds.update(_value_counts(kinds))
+        if "error_kind" in batch.column_names:  # parts written before it: not counted
+            self.errors_by_kind.update(_value_counts(pc.drop_null(batch.column("error_kind"))))
+        if "prefill_seconds" in generated.column_names:  # parts written before it: not counted
+            self.prompt_tokens_reused += _sum(generated.column("prompt_tokens_reused"))
+            self.prompt_tokens_computed += _sum(generated.column("prompt_tokens_computed"))
+            self.prefill_seconds += _sum(generated.column("prefill_seconds"))
+            shared = generated.filter(pc.greater(generated.column("nfe"), 0))
+            busy = pc.divide(
+                pc.multiply(shared.column("wall_seconds"), shared.column("forward_share")),
+                pc.cast(shared.column("nfe"), pa.float64()),
+            )
+            self.decode_seconds += _sum(busy)
 
     def as_dict(self) -> dict[str, Any]:
         """The summary's `totals`."""
@@ -170,6 +194,18 @@ class Totals:
             )
         if self.forwards:  # mean requests in a target forward
             out["requests_per_forward"] = self.shared_nfe / self.forwards
+        if self.errors_by_kind:
+            out["errors_by_kind"] = dict(self.errors_by_kind)
+        if self.prompt_tokens_reused or self.prompt_tokens_computed:
+            out.update(
+                {
+                    "prompt_tokens_reused": self.prompt_tokens_reused,
+                    "prompt_tokens_computed": self.prompt_tokens_computed,
+                    "prefill_seconds": self.prefill_seconds,
+                }
+            )
+            if self.decode_seconds:  # the share of the replicas' decoding time
+                out["prefill_share"] = min(1.0, self.prefill_seconds / self.decode_seconds)
         return out
 
 

@@ -9,6 +9,7 @@ show two things (six Ray runs in all).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -56,12 +57,12 @@ ROW_IDS = [f"r{i}" for i in range(GOOD)]
 class DiesOnceActor(GenerationActor):
     """Kills its own process on its first batch of the job (once: a marker file remembers)."""
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table) -> pa.Table:
         marker = Path(self.engine.job.output.path.text + ".died")
         if not marker.exists():
             marker.write_text(str(os.getpid()))
             os._exit(1)
-        return super().__call__(batch)
+        return await super().__call__(batch)
 
 
 class InterruptedActor(GenerationActor):
@@ -71,15 +72,15 @@ class InterruptedActor(GenerationActor):
 
     calls = 0
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table) -> pa.Table:
         self.calls += 1
         if self.calls == 2:
             output = OutputDir(self.engine.job.output.path.text)
             deadline = time.monotonic() + 120
             while not output.part_files() and time.monotonic() < deadline:
-                time.sleep(0.2)
+                await asyncio.sleep(0.2)
             raise RuntimeError("interrupted")
-        return super().__call__(batch)
+        return await super().__call__(batch)
 
 
 @pytest.fixture(scope="module")
@@ -411,6 +412,10 @@ def test_totals_stream_batch_by_batch_with_exact_percentiles():
     steps = nfe * rng.integers(1, 4, n)
     tokens = rng.integers(0, 64, n)
     shares = nfe / rng.integers(1, 9, n)  # forwards of 1 to 8 requests
+    walls = rng.random(n) * 10
+    reused, computed = rng.integers(0, 300, n), rng.integers(0, 64, n)
+    prefill = rng.random(n) / 10
+    kinds = [None if good else ("input", "generation")[i % 2] for i, good in enumerate(ok)]
     table = pa.table(
         {
             "error": [None if good else f"generation failed: {i % 3}" for i, good in enumerate(ok)],
@@ -421,11 +426,17 @@ def test_totals_stream_batch_by_batch_with_exact_percentiles():
             "steps": pa.array(steps, mask=~ok),
             "accepted_steps_per_forward": pa.array(steps / nfe, mask=~ok),
             "forward_share": pa.array(shares, mask=~ok),
+            "wall_seconds": pa.array(walls, mask=~ok),
+            "prompt_tokens_reused": pa.array(reused, mask=~ok),
+            "prompt_tokens_computed": pa.array(computed, mask=~ok),
+            "prefill_seconds": pa.array(prefill, mask=~ok),
+            "error_kind": pa.array(kinds, pa.string()),
         }
     )
     streamed = Totals()
-    old = 200  # the first rows come from parts written before forward_share existed
-    for batch in table.slice(0, old).drop_columns(["forward_share"]).to_batches(97):
+    old = 200  # the first rows come from parts written before the last six columns existed
+    new_columns = ["forward_share", *table.column_names[-5:]]
+    for batch in table.slice(0, old).drop_columns(new_columns).to_batches(97):
         streamed.add(batch)
     for batch in table.slice(old).to_batches(max_chunksize=97):
         streamed.add(batch)
@@ -449,6 +460,12 @@ def test_totals_stream_batch_by_batch_with_exact_percentiles():
     assert got["generated_tokens_per_nfe"] == pytest.approx(tokens[ok].sum() / nfe[ok].sum())
     shared = ok & (np.arange(n) >= old)
     assert got["requests_per_forward"] == pytest.approx(nfe[shared].sum() / shares[shared].sum())
+    assert got["errors_by_kind"] == dict(Counter(k for k in kinds[old:] if k))
+    assert got["prompt_tokens_reused"] == reused[shared].sum()
+    assert got["prompt_tokens_computed"] == computed[shared].sum()
+    assert got["prefill_seconds"] == pytest.approx(prefill[shared].sum())
+    busy = (walls * shares / nfe)[shared].sum()  # each row's wall over its requests per forward
+    assert got["prefill_share"] == pytest.approx(prefill[shared].sum() / busy)
     for values in (nfe, np.array([7]), np.array([3, 3, 3, 9]), rng.integers(0, 5, 17)):
         for q in (0, 1, 5, 25, 50, 62.5, 95, 99.9, 100):
             assert histogram_percentile(Counter(values.tolist()), q) == np.percentile(values, q)

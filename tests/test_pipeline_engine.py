@@ -72,6 +72,7 @@ def test_bad_rows_become_error_rows(engine: Engine):
     assert rows["marked"]["error"].startswith("duplicate id")
     for name in ("null", "empty", "blank", "long", "marked"):
         assert rows[name]["completion"] is None and rows[name]["finish_reason"] == "error"
+        assert rows[name]["error_kind"] == "input"
     assert rows["ok1"]["error"] is None and rows["ok2"]["error"] is None
     assert rows["ok1"]["completion_token_ids"] and rows["ok2"]["completion_token_ids"]
 
@@ -98,41 +99,6 @@ def _variant(engine: Engine, **sections) -> Engine:
     for key, value in sections.items():
         data[key] = {**data[key], **value}
     return Engine(parse_job(data))
-
-
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_a_failing_batch_is_retried_row_by_row(engine: Engine, batch_size: int):
-    """A request that breaks the batched forward (here: a token id outside the vocabulary)
-    costs only its own row; requests that finished before it are kept, not decoded again
-    (a stop check that counts the blocks it is asked about sees each block once), and the
-    progress reports count every request once."""
-    engine = _variant(engine, resources={"batch_size": batch_size})
-    prompts = [torch.tensor(engine.encode(p)) for p in word_prompts(2)]
-
-    def counted(blocks: list[int]) -> list[Request]:
-        def counting(i: int):
-            def check(ids: torch.Tensor) -> bool:
-                blocks[i] += 1
-                return False
-
-            return check
-
-        return [Request(p, i, counting(i)) for i, p in enumerate(prompts)]
-
-    blocks, once = [0, 0], [0, 0]
-    good = counted(blocks)
-    broken = Request(torch.tensor([engine.target.vocab_size + 5] * 6), 99)
-    reports: list[tuple[int, ...]] = []
-    engine.on_batch = lambda *counts: reports.append(counts)
-    results = engine._generate([good[0], broken, good[1]])
-    assert results[1].startswith("generation failed: ")
-    alone = [generate(engine.target, [r], engine.config)[0] for r in counted(once)]
-    assert [r.tokens.tolist() for r in (results[0], results[2])] == [
-        r.tokens.tolist() for r in alone
-    ]
-    assert blocks == once and once[0] > 0
-    assert sum(r[0] for r in reports) == 3 and sum(r[1] for r in reports) == 1
-    assert sum(r[3] for r in reports) == sum(r.stats.nfe for r in alone)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

@@ -21,6 +21,17 @@ from spot.models.family_index import FAMILY_INDEX
 from spot.models.transformer import Transformer, TransformerConfig
 
 
+NO_PREFIX_CACHE_BIDIRECTIONAL = (
+    "bidirectional attention (LLaDA, Dream): a prompt's keys and values depend on every "
+    "token after it, so no prefix cache is exact"
+)
+
+
+def prefix_cache_problem(block_causal: bool) -> str | None:
+    """Why a target of this attention regime cannot take a prefix cache; None: it can."""
+    return None if block_causal else NO_PREFIX_CACHE_BIDIRECTIONAL
+
+
 @dataclass(frozen=True)
 class Decoding:
     """How a family's checkpoint decodes (what the target wrapper needs beyond weights)."""

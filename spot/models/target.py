@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from spot.models.prefix_cache import PrefixCache
-from spot.models.registry import Decoding
+from spot.models.registry import Decoding, prefix_cache_problem
 from spot.models.transformer import Transformer, block_causal_mask
 from spot.target import Scores, Window
 
@@ -79,12 +79,7 @@ class DiffusionTarget:
         self.opening_commit = decoding.opening_commit
         self.max_length = min(decoding.max_length, config.max_position_embeddings)
         self.block_causal = decoding.block_causal
-        self.prefix_cache_problem = (
-            None
-            if decoding.block_causal
-            else "bidirectional attention (LLaDA, Dream): a prompt's keys and values depend "
-            "on every token after it, so no prefix cache is exact"
-        )
+        self.prefix_cache_problem = prefix_cache_problem(decoding.block_causal)
         parameter = next(model.parameters())
         self.device = parameter.device
 

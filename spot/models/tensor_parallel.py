@@ -79,6 +79,10 @@ CONTROL_TIMEOUT = timedelta(days=7)
 SHARDED_DTYPES = ("float32", "bfloat16")
 
 
+# each rank holds its own heads' KV; a prefix cache would have to be mirrored on all of them
+NO_PREFIX_CACHE = "a tensor-parallel target has no prefix cache yet"
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """The ranks of one replica.
@@ -311,8 +315,7 @@ class ShardedTarget:
         self.local = local
         for name in Target.__annotations__:  # the protocol's attributes, as rank 0 has them
             setattr(self, name, getattr(local, name))
-        # each rank holds its own heads' KV; a prefix cache would have to be mirrored on all
-        self.prefix_cache_problem = "a tensor-parallel target has no prefix cache yet"
+        self.prefix_cache_problem = NO_PREFIX_CACHE
         self.degree = group.spec.degree
         self._mirror = _Mirror()
 
