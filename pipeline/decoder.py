@@ -15,7 +15,7 @@ start gives the same tokens):
 - any other failure decodes the batch's requests again in halves, and halves of halves, so
   a request that fails even alone becomes an error row and the others are kept;
 - when more than `max_error_rate` of the last ERROR_WINDOW rows failed (once MIN_ROWS_RATED
-  rows are in the window), every call fails with `GenerationFailures`, naming the most common
+  rows are in the window), every call fails with `TooManyFailuresError`, naming the most common
   error and example rows: the job stops, and what was written is kept.
 
 Draining (a signal to the run): `drain` stops admitting requests (those waiting are let go
@@ -48,13 +48,13 @@ TRACEBACKS_PER_ERROR = 3  # a failure repeated more often is logged in one line
 Outcome = Result | str | None  # a result, why its request failed, or None: let go unfinished
 
 
-class GenerationFailures(RuntimeError):
+class TooManyFailuresError(RuntimeError):
     """Too many of a replica's recent rows failed in generation: the job stops."""
 
 
 class Call:
     """The requests of one replica call, each resolved once; `done` when all are (or fails
-    with the replica's `GenerationFailures`). `on_outcome(position, outcome)` sees each
+    with the replica's `TooManyFailuresError`). `on_outcome(position, outcome)` sees each
     resolution as it happens, in the thread that made it."""
 
     def __init__(self, size: int, on_outcome: Callable[[int, Outcome], None] | None = None):
@@ -141,7 +141,7 @@ class Decoder:
         self._rated: deque[_Rated] = deque(maxlen=ERROR_WINDOW)
         self._draining = False
         self._abandoned = False
-        self._fatal: GenerationFailures | None = None
+        self._fatal: TooManyFailuresError | None = None
         self._thread: threading.Thread | None = None
 
     # -- what calls and the replica use ------------------------------------------------------
@@ -327,7 +327,7 @@ class Decoder:
             return
         common, count = Counter(r.error for r in failed).most_common(1)[0]
         examples = [r.name for r in failed if r.error == common][:3]
-        fatal = GenerationFailures(
+        fatal = TooManyFailuresError(
             f"{len(failed)} of the last {len(rated)} rows failed in generation, more than "
             f"resources.max_error_rate {self.max_error_rate:g}; most common ({count} rows, e.g. "
             f"{', '.join(examples)}): {common.removeprefix('generation failed: ')}"

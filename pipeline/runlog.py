@@ -88,7 +88,8 @@ def failure_reason(error: BaseException) -> str:
     """What went wrong, in one line. A replica's exception reaches the driver wrapped by Ray
     (a RayTaskError holding it, or an ActorDiedError holding only its traceback's text,
     itself raised from Ray Data's SystemException): the innermost exception that is not
-    Ray's, else the last `Type: message` line of a Ray error's remote traceback."""
+    Ray's, else the last `Type: message` line of a Ray error's remote traceback that is not
+    a Ray exception's (Ray Data wraps a replica's exception in its UserCodeException)."""
     chain: list[BaseException] = []
     while error is not None and error not in chain:
         chain.append(error)
@@ -99,13 +100,15 @@ def failure_reason(error: BaseException) -> str:
     for wrapped in chain:
         for line in reversed(str(wrapped).splitlines()):
             raised = _RAISED.match(line.strip())
-            if raised:
+            if raised and not (raised["module"] or "").startswith("ray."):
                 return _one_line(raised["type"], raised["message"])
     return _one_line(type(chain[0]).__name__, str(chain[0]))
 
 
 # the last line of a Python traceback: `package.module.SomeError: message`
-_RAISED = re.compile(r"^(?:\w+\.)*(?P<type>\w*(?:Error|Exception|Exit))(?:: (?P<message>.*))?$")
+_RAISED = re.compile(
+    r"^(?P<module>(?:\w+\.)*)(?P<type>\w*(?:Error|Exception|Exit))(?:: (?P<message>.*))?$"
+)
 
 
 def _one_line(kind: str, message: str | None) -> str:

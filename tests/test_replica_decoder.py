@@ -5,13 +5,14 @@ above batch 2. Rows that come back are always the rows a clean engine makes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.decoder import GenerationFailures
+from pipeline.decoder import TooManyFailuresError
 from pipeline.engine import Engine, tokenize_rows
 from pipeline.job import parse_job
 from pipeline.schema import ROW_ERROR
@@ -32,7 +33,10 @@ def made(tmp_path_factory) -> dict[str, Path]:
 
 def _engine(made, plan: dict | None = None, **resources) -> tuple[Engine, list[str]]:
     """An engine of the tiny target at T=0.7 (its target failing as `plan` says), and the
-    lines its decode loop logs."""
+    lines its decode loop logs. SPOT_TEST_DEVICE=cuda puts the target on the GPU
+    (scripts/gpu_check.sh)."""
+    if os.environ.get("SPOT_TEST_DEVICE") == "cuda":
+        resources = {**resources, "num_gpus": 1}
     job = job_dict(
         made["prompts"],
         made["model"],
@@ -187,7 +191,7 @@ def test_every_forward_failing_stops_the_job_naming_the_error(made):
     assert len(tracebacks) == 3 and len(lines) == sum(engine.decoder.failures.values()) > 12
 
     engine, lines = _engine(made, {"every": True}, batch_size=4)
-    with pytest.raises(GenerationFailures) as stopped:
+    with pytest.raises(TooManyFailuresError) as stopped:
         engine.generate_rows(_rows(engine, 12))
     assert str(stopped.value).startswith(
         "8 of the last 8 rows failed in generation, more than resources.max_error_rate 0.5; "
@@ -195,5 +199,5 @@ def test_every_forward_failing_stops_the_job_naming_the_error(made):
     )
     assert str(stopped.value).endswith("): RuntimeError: injected failure of every forward")
     assert lines[-1] == f"stopping the job: {stopped.value}"
-    with pytest.raises(GenerationFailures):  # the replica takes no more rows
+    with pytest.raises(TooManyFailuresError):  # the replica takes no more rows
         engine.generate_rows(_rows(engine, 2, first=12))
