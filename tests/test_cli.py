@@ -360,6 +360,34 @@ def test_set_takes_yaml_lists_nulls_and_mappings(job_file: Path, tmp_path: Path)
     assert "  decoding.stop: --set cannot parse '[1' as YAML: expected ',' or ']'" in output
 
 
+def test_a_prefix_cache_a_target_cannot_take_is_refused(job_file: Path, tmp_path: Path):
+    """A prefix cache size asked of a bidirectional target (LLaDA) or a tensor-parallel one
+    is refused naming the key and why; auto (the default) or 0 validates."""
+    llada = ("--set", "model.path=builtin:llada-tiny", "--set", f"output.path={tmp_path / 'o'}")
+    sized = ("--set", "resources.prefix_cache_bytes=1000000")
+    output = _refused(job_file, *llada, *sized)
+    assert output.splitlines()[1] == (
+        "  resources.prefix_cache_bytes: bidirectional attention (LLaDA, Dream): a prompt's "
+        "keys and values depend on every token after it, so no prefix cache is exact; set 0 "
+        "or auto"
+    )
+    sharded = ("--set", "model.tensor_parallel=2", "--set", "model.dtype=float32")
+    output = _refused(job_file, *sharded, *sized)
+    assert output.splitlines()[1] == (
+        "  resources.prefix_cache_bytes: a tensor-parallel target has no prefix cache yet; "
+        "set 0 or auto"
+    )
+    for size in ("auto", "0"):
+        result = CliRunner().invoke(
+            main,
+            ["validate", str(job_file), *llada, "--set", f"resources.prefix_cache_bytes={size}"],
+        )
+        assert result.exit_code == 0, result.output
+    fresh = ("--set", f"output.path={tmp_path / 'o'}")
+    result = CliRunner().invoke(main, ["validate", str(job_file), *sized, *fresh])  # SDAR takes one
+    assert result.exit_code == 0, result.output
+
+
 def test_an_output_path_that_is_a_file_or_inside_one_is_refused(job_file: Path, tmp_path: Path):
     taken = tmp_path / "taken.txt"
     taken.write_text("not a folder")

@@ -196,7 +196,7 @@ def test_a_shared_system_prompt_gives_the_same_rows_with_and_without_the_cache(m
     """Rows behind a long system prompt, with the prefix cache (the default) and without:
     the same completions, forwards and steps; with it the prompt's blocks are reused and
     the summary gives the share of time spent on prompts."""
-    system = "You are a careful maths tutor. " * 12
+    system = "You are a careful maths tutor. " * 4  # ~70 of the 256 positions
     compared = ["id", "completion_token_ids", "nfe", "steps", "finish_reason"]
     tables = {}
     for name, size in (("cache-on", "auto"), ("cache-off", 0)):
@@ -216,7 +216,7 @@ def test_a_shared_system_prompt_gives_the_same_rows_with_and_without_the_cache(m
     assert on.select(compared).to_pylist() == off.select(compared).to_pylist()
     reused = sum(on.column("prompt_tokens_reused").to_pylist())
     assert sum(off.column("prompt_tokens_reused").to_pylist()) == 0
-    assert reused > 10 * 64  # most of the ~90-token system prompt, for most rows
+    assert reused > 10 * 48  # most of the system prompt, for most rows
     assert sum(on.column("prompt_tokens_computed").to_pylist()) < sum(
         off.column("prompt_tokens_computed").to_pylist()
     )
