@@ -20,7 +20,6 @@ from spot.config import ConfidenceName
 from spot.models.family_index import FAMILY_INDEX
 from spot.models.transformer import Transformer, TransformerConfig
 
-
 NO_PREFIX_CACHE_BIDIRECTIONAL = (
     "bidirectional attention (LLaDA, Dream): a prompt's keys and values depend on every "
     "token after it, so no prefix cache is exact"
