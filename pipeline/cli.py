@@ -172,10 +172,23 @@ def submit(
 
     if in_cluster:
         run("auto")
+    elif not _writes_to_descriptors():  # a forked driver's lines would be lost: run here
+        run(None)
     else:  # the embedded Ray's processes out of reach of signals to this command's group
         from pipeline.session import own_session
 
         own_session(lambda: run(None))
+
+
+def _writes_to_descriptors() -> bool:
+    """Standard output and error are files a child process shares (not an in-memory buffer,
+    as under click's test runner or a notebook)."""
+    try:
+        sys.stdout.fileno()
+        sys.stderr.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
 
 
 def _run(
