@@ -66,12 +66,18 @@ def test_variants_are_the_drafters_the_registry_serves_each_rule_with():
     assert all(v.job.model.family == "llada" for v in llada)
 
 
-def test_engine_completions_score_as_evaluate_target_does():
+@pytest.fixture
+def without_gradients():
+    """Decoding as the benchmark does, gradients off, for this test only."""
+    with torch.no_grad():
+        yield
+
+
+def test_engine_completions_score_as_evaluate_target_does(without_gradients):
     """Static draft-free decoding through the job's engine writes the completions
     `evaluate-target` writes for the same held-out maths prompts; variants taking turns in
     chunks, twice over, keep their rows in order, and a drafted variant matches its rule's
     draft-free decoding."""
-    torch.set_grad_enabled(False)
     base = ["decoding.gen_length=32", "decoding.block_length=16"]
     chosen = {("static", "none"), ("threshold 0.9", "none"), ("threshold 0.9", "spiffy")}
     variants = [
