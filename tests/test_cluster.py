@@ -52,12 +52,13 @@ def _run(cluster: LocalCluster, args: list[str], embedded: bool = False):
 
 
 def _replica_nodes(cluster: LocalCluster, actor_class: str) -> set[str]:
-    """Names of the nodes (by their custom resource) that ran replicas of `actor_class`."""
+    """Names of the nodes (by their custom resource) that ran replicas of `actor_class` (an
+    actor that was never placed has no node)."""
     nodes = {n["node_id"]: n["resources_total"] for n in cluster.state("nodes")}
     return {
         "worker" if nodes[a["node_id"]].get("worker_node") else "head"
         for a in cluster.state("actors")
-        if f"MapBatches({actor_class})" in a["class_name"]
+        if f"MapBatches({actor_class})" in a["class_name"] and a["node_id"] in nodes
     }
 
 

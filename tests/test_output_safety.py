@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -171,6 +172,19 @@ def _wait_for_part(out: Path, process: subprocess.Popen, timeout: float = 600) -
         time.sleep(0.2)
 
 
+def _driver(out: Path) -> int:
+    """The pid of the process that holds the output's lease: a submit's driver, which runs
+    in a session of its own, a child of the command (pipeline.session)."""
+    return json.loads((out / "lease.json").read_text())["pid"]
+
+
+def _kill_submit(process: subprocess.Popen, out: Path) -> None:
+    """Power loss: SIGKILL to the submit's driver, so nothing it would do on a signal runs;
+    its command then exits."""
+    os.kill(_driver(out), signal.SIGKILL)
+    process.communicate()
+
+
 def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
@@ -213,11 +227,12 @@ def test_two_submits_started_together_write_once(tmp_path: Path):
     results = [p.communicate(timeout=900) for p in processes]
     codes = [p.returncode for p in processes]
     assert sorted(codes) == [0, 2], results
-    winner = processes[codes.index(0)]
     _, refused = results[codes.index(2)]
     assert refused.splitlines()[0] == f"cannot submit {job}:"
     assert "is being written by another submit: submit run " in refused.splitlines()[1]
-    assert f"(pid {winner.pid})" in refused
+    holder = re.search(r"submit run (\S+) by .* \(pid (\d+)\)", refused)
+    assert holder and int(holder[2]) not in (p.pid for p in processes)  # the winner's driver
+    assert [r["run_id"] for r in _summary(out)["runs"]] == [holder[1]]  # it wrote the rows
     keys = _keys(out)
     assert len(keys) == len(set(keys)) == 16
     assert len(list((out / "logs").glob("submit-*.log"))) == 1  # the refused one ran nothing
@@ -233,16 +248,16 @@ def test_a_staggered_submit_is_refused_and_a_killed_one_is_taken_over(tmp_path: 
     out = tmp_path / "out"
     a = start_cli("submit", str(job))
     _wait_for_part(out, a)
-    a.send_signal(signal.SIGSTOP)
+    driver = _driver(out)
+    os.kill(driver, signal.SIGSTOP)
     run_id = json.loads((out / "lease.json").read_text())["run_id"]
     b = run_cli("submit", str(job))
     assert b.returncode == 2 and b.stdout == "", b.stderr
     assert b.stderr.splitlines()[1].startswith(
         f"  output.path: {out} is being written by another submit: submit run {run_id} by "
     )
-    assert f"(pid {a.pid})" in b.stderr
-    a.send_signal(signal.SIGKILL)
-    a.communicate()
+    assert f"(pid {driver})" in b.stderr
+    _kill_submit(a, out)
 
     c = run_cli("submit", str(job))
     assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
@@ -254,7 +269,7 @@ def test_a_staggered_submit_is_refused_and_a_killed_one_is_taken_over(tmp_path: 
     )
     lines = c.stdout.splitlines()
     assert lines[0].startswith(f"[safety] took over the output's lease from submit run {run_id} ")
-    assert lines[0].endswith(f"its process {a.pid} no longer runs")
+    assert lines[0].endswith(f"its process {driver} no longer runs")
     assert lines[1].startswith(f"[safety] run {run_id} (started ")
     assert f"ended without its record: recorded as lost, {by_a} rows and " in lines[1]
     assert f"{by_a} already written, {24 - by_a} to generate" in c.stdout
@@ -329,8 +344,7 @@ def test_failed_generations_are_retried_unless_told_not_to(tmp_path: Path):
         line == "[safety] 2 row(s) whose generation failed are generated again "
         "(--no-retry-failed keeps them)\n"
     )
-    killed.send_signal(signal.SIGKILL)  # before its run wrote anything
-    killed.communicate()
+    _kill_submit(killed, out)  # before its run wrote anything
     assert len(_keys(out)) == 6
 
     again = run_cli("submit", str(job))
