@@ -251,13 +251,15 @@ def train_order_model(
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
     validation: OrderSamples | None = None,
+    model: OrderModel | None = None,
 ) -> tuple[OrderModel, dict]:
     """The order model and its held-out next-commit accuracy, trained on the likelihood of
     the commits that follow each sample (the next one from `build_samples`; the order of
     the next few from `root_samples`); with `validation` samples, the epoch (0: the
     untrained model, which is the commit rule's own guess) whose probabilities fit them best
-    is kept."""
-    model = _init(OrderModel, config, seed)
+    is kept. `model` continues training a given model (a learner's previous round): epoch 0
+    is then that model."""
+    model = _init(OrderModel, config, seed) if model is None else model
 
     def batch_loss(idx):
         logits = model(train.features[idx], train.masked[idx])
