@@ -8,6 +8,7 @@ kept).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -17,11 +18,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from offcorpus_prompts import SEED, offcorpus_prompts  # noqa: E402
+from speculative import OrderOracle  # noqa: E402
 
 from pipeline.drafter_data import encode, load_model_and_tokenizer  # noqa: E402
+from spot.builtin import builtin_drafter  # noqa: E402
 from spot.config import DecodingConfig  # noqa: E402
 from spot.decode import generate  # noqa: E402
+from spot.drafters.learning import DrafterLearner, LearnerConfig  # noqa: E402
+from spot.drafters.order_model import OrderModel, OrderModelConfig  # noqa: E402
 from spot.drafters.recipes import recording_meta  # noqa: E402
+from spot.drafters.registry import load_drafter  # noqa: E402
+from spot.drafters.replay import STOPS, ReplayTarget, replay  # noqa: E402
+from spot.drafters.spot import SpotDrafter  # noqa: E402
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder  # noqa: E402
 
 
@@ -60,6 +68,72 @@ def record(args) -> None:
         )
 
 
+class TimedRecorder(TrajectoryRecorder):
+    """A recorder that keeps the seconds its calls take."""
+
+    seconds = 0.0
+
+    def __call__(self, *args) -> None:
+        t0 = time.perf_counter()
+        super().__call__(*args)
+        self.seconds += time.perf_counter() - t0
+
+    def result(self, meta: dict) -> Trajectories:
+        t0 = time.perf_counter()
+        out = super().result(meta)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def overhead(args) -> None:
+    """What recording costs a decode: the same rows decoded with and without the trace (draft-
+    free and with the bundled Spiffy at budget 2), taking turns pass by pass; the forwards are
+    counted (the trace must add none) and the recorder's own calls timed."""
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
+    config = decoding(args)
+    requests = encode(tokenizer, offcorpus_prompts(args.prompts, args.seed))
+    path = builtin_drafter(args.target, "spiffy", config.block_length, "static")
+    variants = [("draft-free", None), ("Spiffy, budget 2", load_drafter("spiffy", path, 2, target))]
+    totals: dict[tuple[str, bool], list[float]] = {}
+    for number in range(args.passes):
+        for name, drafter in variants[number % 2 :] + variants[: number % 2]:
+            for traced in (number % 2 == 0, number % 2 == 1):
+                recorder = None
+                if traced:
+                    keys = [r.key for r in requests]
+                    recorder = TimedRecorder(keys, config.block_length, target.mask_id)
+                t0 = time.perf_counter()
+                results = generate(
+                    target, requests, config, drafter, recorder, max_active=args.batch_size
+                )
+                if recorder is not None:
+                    recorder.result(recording_meta(config, target, len(requests)))
+                seconds = time.perf_counter() - t0
+                forwards = sum(r.stats.forward_share for r in results)
+                states = sum(r.stats.steps for r in results)
+                row = totals.setdefault((name, traced), [0.0, 0.0, 0.0, 0.0])
+                row[0] += seconds
+                row[1] += forwards
+                row[2] += recorder.seconds if recorder else 0.0
+                row[3] += states
+    print(
+        f"{args.target}, {args.prompts} off-corpus prompts, batch {args.batch_size}, "
+        f"{args.passes} passes, block {config.block_length}, gen {config.gen_length}"
+    )
+    print()
+    print(
+        "| decoder | recorded | forwards | states recorded | ms per forward | "
+        "recorder ms per forward | recorder share of wall time |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for (name, traced), (seconds, forwards, recording, states) in totals.items():
+        print(
+            f"| {name} | {'yes' if traced else 'no'} | {forwards / args.passes:.0f} | "
+            f"{states / args.passes if traced else 0:.0f} | {seconds / forwards * 1e3:.2f} | "
+            f"{recording / forwards * 1e3:.3f} | {recording / seconds:.1%} |"
+        )
+
+
 def load_rows(folder: str | Path, stop: int, start: int = 0) -> Trajectories:
     """The recorded shards of rows [start, stop) as one recording."""
     paths = sorted(Path(folder).glob("rows-*.pt"))
@@ -67,24 +141,222 @@ def load_rows(folder: str | Path, stop: int, start: int = 0) -> Trajectories:
     return Trajectories.concat([Trajectories.load(p) for p in chosen], [p.name for p in chosen])
 
 
+def shards(folder: str | Path) -> list[tuple[int, int, Path]]:
+    """(first row, end row, path) of every recorded shard, in row order."""
+    found = []
+    for path in sorted(Path(folder).glob("rows-*.pt")):
+        _, start, stop = path.stem.split("-")
+        found.append((int(start), int(stop), path))
+    return found
+
+
+def learn(args) -> None:
+    """Feed the recorded rows to a `DrafterLearner` in row order, a shard at a time, and let
+    it make every round due (SPOT at each of --spot-rows); prints what each round measured on
+    its held-out rows."""
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
+    spot_rows = tuple(int(x) for x in args.spot_rows.split(","))
+    config = LearnerConfig(spot_rows=spot_rows, min_gain=args.min_gain, epochs=args.epochs)
+    out = Path(args.out_dir)
+    learner = DrafterLearner(ReplayTarget.of(target), out, config, f"builtin:{args.target}")
+    rounds = []
+    t0 = time.perf_counter()
+    for _, stop, path in shards(args.rows_dir):
+        if stop > args.rows:
+            break
+        learner.add(Trajectories.load(path))
+        while learner.due() is not None:
+            made = learner.learn()
+            for r in learner.rounds[len(rounds) :]:
+                rounds.append(r)
+                print(json.dumps(r.to_dict() | {"elapsed": time.perf_counter() - t0}), flush=True)
+            assert made is not None
+        if learner.done:
+            break
+    (out / "rounds.json").write_text(json.dumps([r.to_dict() for r in rounds], indent=1))
+    print()
+    print(rounds_table(rounds, config))
+
+
+def rounds_table(rounds, config: LearnerConfig) -> str:
+    budgets = config.budgets
+    lines = [
+        "| round | drafter | rows (train / validation / held-out) | held-out accuracy | "
+        + " | ".join(f"steps/forward at {b}, before → after" for b in budgets)
+        + " | adopted | seconds |",
+        "|---|---|---|---|" + "---|" * len(budgets) + "---|---|",
+    ]
+    for r in rounds:
+        s = r.rows_by_slice
+        accuracy = r.metrics.get("heldout_next_commit_accuracy")
+        lines.append(
+            f"| {r.number} | {r.kind} | {r.rows} ({s['train']} / {s['validation']} / "
+            f"{s['heldout']}) | {'–' if accuracy is None else f'{accuracy:.3f}'} | "
+            + " | ".join(f"{r.before[b]:.2f} → {r.after[b]:.2f}" for b in budgets)
+            + f" | {'yes' if r.adopted else 'no'} | {r.seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def measuring_rows(args) -> Trajectories:
+    start, stop = (int(x) for x in args.measure.split(":"))
+    chosen = [(a, b, p) for a, b, p in shards(args.rows_dir) if start <= a and b <= stop]
+    if not chosen or chosen[0][0] != start or chosen[-1][1] != stop:
+        raise SystemExit(f"rows {start}:{stop} are not recorded in {args.rows_dir}")
+    return Trajectories.concat([Trajectories.load(p) for *_, p in chosen])
+
+
+def commits_of(traj: Trajectories) -> dict[tuple[int, int], torch.Tensor]:
+    """(request key, step) -> [B] positions the target committed from that state."""
+    return {
+        (int(k), int(s)): c
+        for k, s, c in zip(traj.key.tolist(), traj.step.tolist(), traj.committed)
+    }
+
+
+def learned_drafters(folder: Path, budget: int, target) -> list[tuple[str, object]]:
+    """(label, drafter) of the learner's rounds: each SPOT round, and the Spiffy graph
+    calibrated on the same rows."""
+    rounds = json.loads((folder / "rounds.json").read_text())
+    out = []
+    for r in rounds:
+        if r["kind"] == "spiffy" and not any(
+            q["kind"] == "spot" and q["rows"] == r["rows"] for q in rounds
+        ):
+            continue
+        label = f"learned {'SPOT' if r['kind'] == 'spot' else 'Spiffy'}, {r['rows']} rows"
+        out.append((label, load_drafter(r["kind"], r["path"], budget, target)))
+    return out
+
+
+def untrained() -> OrderModel:
+    return OrderModel(OrderModelConfig())
+
+
+def measure(args) -> None:
+    """Forwards on the measuring rows (none of which the learner saw), by replaying the
+    decode loop over their recorded trajectories (`spot.drafters.replay`, which counts the
+    decoder's own forwards at T=0; --check decodes the first rows to confirm it)."""
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
+    held = measuring_rows(args)
+    replay_target = ReplayTarget.of(target)
+    records = held.segment.numel()
+    requests = int(held.key.unique().numel())
+    commits = commits_of(held)
+    print(
+        f"{args.target}, measuring rows {args.measure} ({requests} prompts, {records} "
+        f"draft-free forwards), block {held.block_length}, gen {held.meta['gen_length']}"
+    )
+    for budget in (int(b) for b in args.budgets.split(",")):
+        variants = [
+            (
+                "bundled Spiffy",
+                load_drafter("spiffy", builtin_drafter(args.target, "spiffy", 32), budget, target),
+            ),
+            (
+                "bundled SPOT",
+                load_drafter("spot", builtin_drafter(args.target, "spot", 32), budget, target),
+            ),
+            *learned_drafters(Path(args.learned), budget, target),
+            (
+                "SPOT untrained (the rule's guess)",
+                SpotDrafter(OrderModel(OrderModelConfig()), budget),
+            ),
+            ("order oracle", OrderOracle(commits, budget)),
+        ]
+        rows = []
+        for name, drafter in variants:
+            t0 = time.perf_counter()
+            result = replay(drafter, held, replay_target, keep_walks=False)
+            rows.append((name, result, time.perf_counter() - t0))
+            if args.check:
+                check_replay(args, tokenizer, target, held, drafter, result)
+        print()
+        print(f"budget {budget}:")
+        print()
+        print(forwards_table(rows, records))
+
+
+def forwards_table(rows, records: int) -> str:
+    by_name = {name: result for name, result, _ in rows}
+    spiffy = by_name["bundled Spiffy"]
+    learned = [n for n in by_name if n.startswith("learned Spiffy")]
+    learned_spiffy = by_name[learned[-1]] if learned else None
+    lines = [
+        "| decoder | forwards | steps/forward | fewer forwards than draft-free | "
+        "vs bundled Spiffy | vs learned Spiffy (most rows) | walks stopped by "
+        + " / ".join(STOPS)
+        + " |",
+        "|---|---|---|---|---|---|---|",
+        f"| draft-free | {records} | 1.00 | 1.00x | – | – | – |",
+    ]
+
+    def total(r):
+        return sum(r.forwards.values())
+
+    for name, result, _ in rows:
+        f = total(result)
+        vs_learned = f"{total(learned_spiffy) / f:.3f}x" if learned_spiffy else "–"
+        lines.append(
+            f"| {name} | {f} | {result.steps_per_forward:.2f} | {records / f:.2f}x | "
+            f"{total(spiffy) / f:.3f}x | {vs_learned} | "
+            + " / ".join(f"{result.stops[k] / result.stops.total():.0%}" for k in STOPS)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def check_replay(args, tokenizer, target, held, drafter, result) -> None:
+    """Decode the first --check measuring prompts with `drafter`: each must take the
+    forwards its replay counted."""
+    start = int(args.measure.split(":")[0])
+    prompts = encode(tokenizer, offcorpus_prompts(args.check, args.seed, skip=start))
+    config = DecodingConfig(gen_length=int(held.meta["gen_length"]), block_length=held.block_length)
+    decoded = generate(target, prompts, config, drafter=drafter, max_active=8)
+    for request, out in zip(prompts, decoded):
+        if result.forwards[request.key] != out.stats.nfe:
+            raise SystemExit(
+                f"replay counted {result.forwards[request.key]} forwards, the decoder "
+                f"{out.stats.nfe}, for request {request.key}"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    rec = sub.add_parser("record")
-    rec.add_argument("--target", default="sdar-tiny")
+    rec = sub.add_parser("record", help=record.__doc__)
     rec.add_argument("--start", type=int, default=0)
     rec.add_argument("--stop", type=int, default=4800)
     rec.add_argument("--chunk", type=int, default=200)
     rec.add_argument("--batch-size", type=int, default=16)
-    rec.add_argument("--seed", type=int, default=SEED)
     rec.add_argument("--out-dir", required=True)
-    for q in (rec,):
+    lrn = sub.add_parser("learn", help=learn.__doc__)
+    lrn.add_argument("--rows-dir", required=True)
+    lrn.add_argument("--out-dir", required=True)
+    lrn.add_argument("--rows", type=int, default=4800, help="learn from the first ROWS rows")
+    lrn.add_argument("--spot-rows", default="600,2400,4800")
+    lrn.add_argument("--min-gain", type=float, default=0.0)
+    lrn.add_argument("--epochs", type=int, default=6)
+    mea = sub.add_parser("measure", help=measure.__doc__)
+    mea.add_argument("--rows-dir", required=True)
+    mea.add_argument("--learned", required=True, help="a learn --out-dir")
+    mea.add_argument("--measure", default="4800:5400", help="measuring rows, start:stop")
+    mea.add_argument("--budgets", default="16,2")
+    mea.add_argument("--check", type=int, default=0, help="decode this many to check")
+    over = sub.add_parser("overhead", help=overhead.__doc__)
+    over.add_argument("--prompts", type=int, default=64)
+    over.add_argument("--batch-size", type=int, default=8)
+    over.add_argument("--passes", type=int, default=4)
+    for q in (rec, lrn, mea, over):
+        q.add_argument("--target", default="sdar-tiny")
+        q.add_argument("--seed", type=int, default=SEED)
         q.add_argument("--block-length", type=int, default=32)
         q.add_argument("--gen-length", type=int, default=64)
         q.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    {"record": record}[args.command](args)
+    commands = {"record": record, "learn": learn, "measure": measure, "overhead": overhead}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ no more). `DrafterLearner` takes those trajectories as they come and:
 2. counts Spiffy's formula paths as rows arrive and calibrates Spiffy's draft graph as soon
    as `spiffy_rows` rows are in, so a checkpoint without any drafter drafts early;
 3. trains SPOT's order model (the `order` objective, docs/benchmarks.md §5.4) when
-   `first_spot_rows` rows are in, and again each time the rows double, each round starting
-   from the last round's model (Spiffy is recalibrated at each round too);
+   `spot_rows[0]` rows are in, and again at each later count (the rows doubling), each round
+   starting from the last round's model (Spiffy is recalibrated at each round too);
 4. measures each new drafter on the held-out rows by replaying the decode loop over their
    recorded trajectories (`spot.drafters.replay`: the forwards the decoder would take, no
    target forward) beside the drafter in use, hands it out only when it takes fewer
@@ -34,6 +34,7 @@ import torch
 from spot.budget import CURVE_BUDGETS
 from spot.drafters.files import save_order_model
 from spot.drafters.order_model import OrderModel, OrderModelConfig
+from spot.drafters.registry import load_drafter
 from spot.drafters.replay import ReplayTarget, replay
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter, count_paths, graph_from_counts
 from spot.drafters.spot import SpotDrafter
@@ -53,8 +54,9 @@ class LearnerConfig:
     spiffy_rows: int = 64  # rows before Spiffy's first calibration
     spiffy_budget: int = 16  # draft graph paths (Spiffy's D)
     spiffy_depth: int = 8
-    first_spot_rows: int = 600  # rows before SPOT's first round; then each time they double
-    max_spot_rows: int | None = None  # no round past this many rows
+    # rows recorded at each SPOT round: the first when the `order` objective starts to pay,
+    # then each time the rows double (§5.4: each doubling worth about half the one before)
+    spot_rows: tuple[int, ...] = (600, 1200, 2400, 4800, 9600, 19200)
     min_spot_rounds: int = 2  # rounds before the gain may stop the learner
     # a round's relative gain in held-out steps per forward over the previous SPOT round:
     # the next doubling is worth about half of it; below this, the learner stops
@@ -63,6 +65,9 @@ class LearnerConfig:
     batch_size: int = 256
     lr: float = 1e-3
     order_model: OrderModelConfig = field(default_factory=OrderModelConfig)
+    # SPOT's tree sharpness (the prior scale) is chosen among the trained one and these by
+    # the forwards replayed on the validation rows (as `calibrate-spot` does by decoding)
+    prior_scales: tuple[float, ...] = (2.0, 4.0)
     decision_budget: int = 16  # where new drafters are compared (forwards saved)
     budgets: tuple[int, ...] = (2, 16)  # steps per forward reported per round
     replay_rows: int = 400  # held-out rows replayed (the first that arrived)
@@ -183,13 +188,8 @@ class DrafterLearner:
         c = self.config
         if self.stopped or not self.keys["heldout"]:
             return None
-        spot_rounds = [r for r in self.rounds if r.kind == SPOT]
-        next_spot = c.first_spot_rows * 2 ** len(spot_rounds)
-        if c.max_spot_rows is not None and next_spot > c.max_spot_rows:
-            if self.rows >= c.spiffy_rows and not self.rounds:
-                return SPIFFY
-            return None
-        if self.rows >= next_spot and self.keys["validation"]:
+        made = sum(r.kind == SPOT for r in self.rounds)
+        if made < len(c.spot_rows) and self.rows >= c.spot_rows[made] and self.keys["validation"]:
             return SPOT
         if not self.rounds and self.rows >= c.spiffy_rows:
             return SPIFFY
@@ -224,19 +224,13 @@ class DrafterLearner:
     def _steps(self, drafter: BudgetedDrafter | None, held: Trajectories, budget: int):
         if drafter is None:
             return 1.0, None
-        result = replay(drafter, held, self.target, budget)
+        result = replay(drafter, held, self.target)
         return result.steps_per_forward, result
 
     def _in_use(self, budget: int) -> BudgetedDrafter | None:
+        """The drafter handed out, as a job loads it (neither kind reads the target)."""
         r = self.current
-        if r is None:
-            return None
-        if r.kind == SPIFFY:
-            return SpiffyDrafter(DraftGraph.load(r.path), budget)
-        from spot.drafters.registry import load_order_model
-
-        model, _ = load_order_model(r.path, SPOT)
-        return SpotDrafter(model, budget)
+        return None if r is None else load_drafter(r.kind, r.path, budget, None)
 
     def _round(self, kind: str, make) -> Round:
         t0 = time.perf_counter()
@@ -279,7 +273,7 @@ class DrafterLearner:
     def _decide_to_stop(self) -> None:
         c = self.config
         spots = [r for r in self.rounds if r.kind == SPOT]
-        if c.max_spot_rows is not None and c.first_spot_rows * 2 ** len(spots) > c.max_spot_rows:
+        if len(spots) == len(c.spot_rows):
             self.stopped = True
             return
         if len(spots) < max(2, c.min_spot_rounds):
@@ -287,6 +281,28 @@ class DrafterLearner:
         last, previous = spots[-1].after[c.decision_budget], spots[-2].after[c.decision_budget]
         if (last / previous - 1) / 2 < c.min_gain:
             self.stopped = True
+
+    def _sharpen(self, model: OrderModel, validation: Trajectories) -> dict:
+        """Leave `model` at the prior scale whose tree takes the fewest forwards on the
+        validation rows (the trained one on a tie); what was measured."""
+        c = self.config
+        rows = validation.of_requests(self.keys["validation"][: c.replay_rows])
+        trained = float(model.prior_scale.detach())
+        measured = {}
+        with torch.inference_mode():
+            for scale in (trained, *c.prior_scales):
+                model.prior_scale.data.fill_(scale)
+                drafter = SpotDrafter(model, c.decision_budget)
+                measured[scale] = replay(drafter, rows, self.target, False).steps_per_forward
+        chosen = max(measured, key=lambda scale: (measured[scale], scale == trained))
+        model.prior_scale.data.fill_(chosen)
+        return {
+            "budget": c.decision_budget,
+            "validation_rows": len(self.keys["validation"][: c.replay_rows]),
+            "trained_prior_scale": trained,
+            "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in measured.items()},
+            "chosen_prior_scale": chosen,
+        }
 
     def _trained_on(self) -> dict:
         return dict(self.meta or {}) | {"model": self.model_path}
@@ -324,6 +340,8 @@ class DrafterLearner:
         )
         metrics["objective"] = "order"
         metrics["warm_start"] = self.model is not None
+        if c.prior_scales:
+            metrics["tree_calibration"] = self._sharpen(model, validation)
         self.model = model
 
         def save(path, metrics, curve, learned_from):

@@ -20,7 +20,7 @@ import torch
 
 from spot.budget import AcceptanceCurve, acceptance_curve
 from spot.drafters.recipes import recorded_decoding
-from spot.drafting import BudgetedDrafter, DraftInput, StepNoise
+from spot.drafting import Drafter, DraftInput, StepNoise
 from spot.tree import DraftTree, Layout, State, advance
 
 STOPS = ("no draft", "budget", "order", "token", "end")
@@ -72,14 +72,9 @@ def stale_logits(top_logprobs: torch.Tensor, top_ids: torch.Tensor, vocab: int) 
     return logits.float()
 
 
-def replay(
-    drafter: BudgetedDrafter,
-    traj,
-    target: ReplayTarget,
-    budget: int,
-    keep_walks: bool = True,
-) -> Replay:
-    """Replay decoding every request of `traj` (a `Trajectories`) with `drafter` at `budget`."""
+def replay(drafter: Drafter, traj, target: ReplayTarget, keep_walks: bool = True) -> Replay:
+    """Replay decoding every request of `traj` (a `Trajectories`) one at a time with
+    `drafter` (its own budget)."""
     traj = traj.canonical()  # each request's records together, in step order
     config = recorded_decoding(traj.meta)
     confidence = traj.meta.get("confidence", "tempered")
@@ -87,7 +82,7 @@ def replay(
     keys = traj.key.tolist()
     starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]] + [len(keys)]
     for s, e in zip(starts[:-1], starts[1:]):
-        _replay_request(drafter, traj, s, e, target, config, confidence, budget, out, keep_walks)
+        _replay_request(drafter, traj, s, e, target, config, confidence, out, keep_walks)
     return out
 
 
@@ -108,7 +103,7 @@ def _true_states(traj, s: int, e: int, layout: Layout) -> list[State]:
     return states
 
 
-def _replay_request(drafter, traj, s, e, target, config, confidence, budget, out, keep_walks):
+def _replay_request(drafter, traj, s, e, target, config, confidence, out, keep_walks):
     b = traj.block_length
     blocks = int(traj.segment[s:e].unique().numel())
     layout = Layout(
@@ -142,7 +137,7 @@ def _replay_request(drafter, traj, s, e, target, config, confidence, budget, out
                 config,
                 confidence,
             )
-            tree = drafter.draft([inp], noise, budget)[0]
+            tree = drafter.propose([inp], noise, 1)[0]
         path, node, k = [0], 0, 0
         while True:
             nxt = _successor(states, root + k, layout, traj, s)
