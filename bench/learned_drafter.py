@@ -18,16 +18,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from offcorpus_prompts import SEED, offcorpus_prompts  # noqa: E402
-from speculative import OrderOracle  # noqa: E402
+from speculative import OrderOracle, Variant, run, table  # noqa: E402
 
 from pipeline.drafter_data import encode, load_model_and_tokenizer  # noqa: E402
+from spot.budget import AutoBudget, measure_forward_cost  # noqa: E402
 from spot.builtin import builtin_drafter  # noqa: E402
 from spot.config import DecodingConfig  # noqa: E402
 from spot.decode import generate  # noqa: E402
 from spot.drafters.learning import DrafterLearner, LearnerConfig  # noqa: E402
 from spot.drafters.order_model import OrderModel, OrderModelConfig  # noqa: E402
 from spot.drafters.recipes import recording_meta  # noqa: E402
-from spot.drafters.registry import load_drafter  # noqa: E402
+from spot.drafters.registry import (  # noqa: E402
+    acceptance_curve,
+    load_drafter,
+    load_order_model,
+)
 from spot.drafters.replay import STOPS, ReplayTarget, replay  # noqa: E402
 from spot.drafters.spot import SpotDrafter  # noqa: E402
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder  # noqa: E402
@@ -158,7 +163,11 @@ def learn(args) -> None:
     spot_rows = tuple(int(x) for x in args.spot_rows.split(","))
     config = LearnerConfig(spot_rows=spot_rows, min_gain=args.min_gain, epochs=args.epochs)
     out = Path(args.out_dir)
-    learner = DrafterLearner(ReplayTarget.of(target), out, config, f"builtin:{args.target}")
+    start = None
+    if args.start_from_bundled:
+        start, _ = load_order_model(builtin_drafter(args.target, "spot", args.block_length))
+    model_path = f"builtin:{args.target}"
+    learner = DrafterLearner(ReplayTarget.of(target), out, config, model_path, start)
     rounds = []
     t0 = time.perf_counter()
     for _, stop, path in shards(args.rows_dir):
@@ -166,14 +175,13 @@ def learn(args) -> None:
             break
         learner.add(Trajectories.load(path))
         while learner.due() is not None:
-            made = learner.learn()
+            learner.learn()
             for r in learner.rounds[len(rounds) :]:
                 rounds.append(r)
                 print(json.dumps(r.to_dict() | {"elapsed": time.perf_counter() - t0}), flush=True)
-            assert made is not None
+            (out / "rounds.json").write_text(json.dumps([r.to_dict() for r in rounds], indent=1))
         if learner.done:
             break
-    (out / "rounds.json").write_text(json.dumps([r.to_dict() for r in rounds], indent=1))
     print()
     print(rounds_table(rounds, config))
 
@@ -217,6 +225,8 @@ def commits_of(traj: Trajectories) -> dict[tuple[int, int], torch.Tensor]:
 def learned_drafters(folder: Path, budget: int, target) -> list[tuple[str, object]]:
     """(label, drafter) of the learner's rounds: each SPOT round, and the Spiffy graph
     calibrated on the same rows."""
+    if not (folder / "rounds.json").exists():
+        return []
     rounds = json.loads((folder / "rounds.json").read_text())
     out = []
     for r in rounds:
@@ -321,6 +331,47 @@ def check_replay(args, tokenizer, target, held, drafter, result) -> None:
             )
 
 
+def speed(args) -> None:
+    """Tokens/s with `drafter.budget: auto` on the first --prompts measuring rows, every
+    decoder taking turns batch by batch (bench/speculative.py's `run`), with its forward cost
+    measured at start-up; the ratios are what to read."""
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
+    held = measuring_rows(args)
+    start = int(args.measure.split(":")[0])
+    requests = encode(tokenizer, offcorpus_prompts(args.prompts, args.seed, skip=start))
+    held = held.of_requests([r.key for r in requests])
+    config = DecodingConfig(gen_length=int(held.meta["gen_length"]), block_length=held.block_length)
+    b = config.block_length
+    cost = measure_forward_cost(target, b, 4 * b, [1, 2, 4, 8, 16, 32, 17])
+    learned = Path(args.learned)
+    rounds = json.loads((learned / "rounds.json").read_text())
+    last = {r["kind"]: r for r in rounds}  # the last round of each kind
+    drafters = [
+        ("bundled Spiffy", "spiffy", builtin_drafter(args.target, "spiffy", b)),
+        ("bundled SPOT", "spot", builtin_drafter(args.target, "spot", b)),
+        (f"learned Spiffy, {last['spiffy']['rows']} rows", "spiffy", last["spiffy"]["path"]),
+        (f"learned SPOT, {last['spot']['rows']} rows", "spot", last["spot"]["path"]),
+    ]
+    variants = [Variant("draft-free", "0", config)]
+    for label, kind, path in drafters:
+        auto = AutoBudget(load_drafter(kind, path, 16, target), acceptance_curve(kind, path), cost)
+        variants.append(Variant(f"{label} auto", "auto", config, auto))
+        for budget in args.fixed:
+            fixed = load_drafter(kind, path, budget, target)
+            variants.append(Variant(label, str(budget), config, fixed))
+    commits = commits_of(held)
+    for budget in args.fixed:
+        variants.append(Variant("order oracle", str(budget), config, OrderOracle(commits, budget)))
+    ends = {(k, s) for k, s in commits if (k, s + 1) not in commits}
+    rows = run(variants, target, requests, 1, commits, ends)
+    print(table(args.target, rows, config, 1, exact_to="draft-free"))
+    print()
+    print(
+        "forward cost (states -> ms):",
+        ", ".join(f"{n}: {sec * 1e3:.1f}" for n, sec in zip(cost.states, cost.seconds)),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -337,17 +388,33 @@ def main() -> None:
     lrn.add_argument("--spot-rows", default="600,2400,4800")
     lrn.add_argument("--min-gain", type=float, default=0.0)
     lrn.add_argument("--epochs", type=int, default=6)
+    lrn.add_argument(
+        "--start-from-bundled",
+        action="store_true",
+        help="the first SPOT round continues from the target's bundled SPOT",
+    )
     mea = sub.add_parser("measure", help=measure.__doc__)
     mea.add_argument("--rows-dir", required=True)
     mea.add_argument("--learned", required=True, help="a learn --out-dir")
     mea.add_argument("--measure", default="4800:5400", help="measuring rows, start:stop")
     mea.add_argument("--budgets", default="16,2")
     mea.add_argument("--check", type=int, default=0, help="decode this many to check")
+    spd = sub.add_parser("speed", help=speed.__doc__)
+    spd.add_argument("--rows-dir", required=True)
+    spd.add_argument("--learned", required=True, help="a learn --out-dir")
+    spd.add_argument("--measure", default="4800:5400", help="measuring rows, start:stop")
+    spd.add_argument("--prompts", type=int, default=40)
+    spd.add_argument(
+        "--fixed",
+        type=lambda t: [int(x) for x in t.split(",") if x],
+        default=[2],
+        help="fixed budgets beside auto",
+    )
     over = sub.add_parser("overhead", help=overhead.__doc__)
     over.add_argument("--prompts", type=int, default=64)
     over.add_argument("--batch-size", type=int, default=8)
     over.add_argument("--passes", type=int, default=4)
-    for q in (rec, lrn, mea, over):
+    for q in (rec, lrn, mea, spd, over):
         q.add_argument("--target", default="sdar-tiny")
         q.add_argument("--seed", type=int, default=SEED)
         q.add_argument("--block-length", type=int, default=32)
@@ -355,7 +422,13 @@ def main() -> None:
         q.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    commands = {"record": record, "learn": learn, "measure": measure, "overhead": overhead}
+    commands = {
+        "record": record,
+        "learn": learn,
+        "measure": measure,
+        "speed": speed,
+        "overhead": overhead,
+    }
     commands[args.command](args)
 
 

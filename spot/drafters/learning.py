@@ -133,7 +133,10 @@ class DrafterLearner:
         out_dir: str | Path,
         config: LearnerConfig | None = None,
         model_path: str = "",
+        start: OrderModel | None = None,
     ):
+        """start: an order model the first SPOT round continues from (a drafter trained for
+        the target on other prompts); by default the first round starts untrained."""
         self.target = target
         self.out_dir = Path(out_dir)
         self.config = config or LearnerConfig()
@@ -145,7 +148,7 @@ class DrafterLearner:
         self.counted_records = 0
         self.rounds: list[Round] = []
         self.current: Round | None = None
-        self.model: OrderModel | None = None  # the last SPOT round's order model
+        self.model: OrderModel | None = start  # the last SPOT round's order model
         self.stopped = False
 
     # -- taking rows ---------------------------------------------------------------------

@@ -219,7 +219,8 @@ def _fit(
     for _ in range(epochs):
         order = torch.randperm(samples, generator=generator)
         for s in range(0, samples, batch_size):
-            loss = batch_loss(order[s : s + batch_size])
+            with torch.enable_grad():  # whatever the caller's mode (benchmarks turn it off)
+                loss = batch_loss(order[s : s + batch_size])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
