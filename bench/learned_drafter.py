@@ -60,7 +60,7 @@ def record(args) -> None:
         t0 = time.perf_counter()
         requests = encode(tokenizer, offcorpus_prompts(stop - start, args.seed, skip=start))
         keys = [r.key for r in requests]
-        recorder = TrajectoryRecorder(keys, config.block_length, target.mask_id)
+        recorder = TrajectoryRecorder(keys, config.block_length, target.mask_id, 32, args.hidden)
         generate(target, requests, config, trace=recorder, max_active=args.batch_size)
         meta = recording_meta(config, target, len(requests))
         prompts = f"offcorpus seed {args.seed}"
@@ -331,6 +331,37 @@ def check_replay(args, tokenizer, target, held, drafter, result) -> None:
             )
 
 
+def accuracy(args) -> None:
+    """Next-commit accuracy by depth on the measuring rows: the rule's guess (the most
+    confident stale position), and each SPOT's root evaluation reused at that depth (what its
+    tree ranks by), bundled and learned."""
+    from order_accuracy import by_depth
+
+    held = measuring_rows(args)
+    models = [("bundled SPOT", builtin_drafter(args.target, "spot", held.block_length))]
+    rounds = json.loads((Path(args.learned) / "rounds.json").read_text())
+    spots = [r for r in rounds if r["kind"] == "spot"]
+    models += [(f"learned SPOT, {r['rows']} rows", r["path"]) for r in spots]
+    columns, rule = [], None
+    for name, path in models:
+        model, _ = load_order_model(path)
+        _, depth, _, (rule_hits, _, root, has_root) = by_depth(model, held)
+        rule = rule or (rule_hits, depth, has_root)
+        columns.append((name, root))
+    rule_hits, depth, has_root = rule
+    print(f"{args.target}, measuring rows {args.measure}")
+    print()
+    print("| depth | samples | rule's guess | " + " | ".join(n for n, _ in columns) + " |")
+    print("|---|---|---|" + "---|" * len(columns))
+    for j in range(1, 9):
+        m = (depth == j) & has_root
+        print(
+            f"| {j} | {int(m.sum())} | {rule_hits[m].mean():.3f} | "
+            + " | ".join(f"{root[m].mean():.3f}" for _, root in columns)
+            + " |"
+        )
+
+
 def speed(args) -> None:
     """Tokens/s with `drafter.budget: auto` on the first --prompts measuring rows, every
     decoder taking turns batch by batch (bench/speculative.py's `run`), with its forward cost
@@ -381,6 +412,7 @@ def main() -> None:
     rec.add_argument("--chunk", type=int, default=200)
     rec.add_argument("--batch-size", type=int, default=16)
     rec.add_argument("--out-dir", required=True)
+    rec.add_argument("--hidden", action="store_true", help="keep the last hidden states too")
     lrn = sub.add_parser("learn", help=learn.__doc__)
     lrn.add_argument("--rows-dir", required=True)
     lrn.add_argument("--out-dir", required=True)
@@ -399,6 +431,10 @@ def main() -> None:
     mea.add_argument("--measure", default="4800:5400", help="measuring rows, start:stop")
     mea.add_argument("--budgets", default="16,2")
     mea.add_argument("--check", type=int, default=0, help="decode this many to check")
+    acc = sub.add_parser("accuracy", help=accuracy.__doc__)
+    acc.add_argument("--rows-dir", required=True)
+    acc.add_argument("--learned", required=True, help="a learn --out-dir")
+    acc.add_argument("--measure", default="4800:5000", help="measuring rows, start:stop")
     spd = sub.add_parser("speed", help=speed.__doc__)
     spd.add_argument("--rows-dir", required=True)
     spd.add_argument("--learned", required=True, help="a learn --out-dir")
@@ -414,7 +450,7 @@ def main() -> None:
     over.add_argument("--prompts", type=int, default=64)
     over.add_argument("--batch-size", type=int, default=8)
     over.add_argument("--passes", type=int, default=4)
-    for q in (rec, lrn, mea, spd, over):
+    for q in (rec, lrn, mea, acc, spd, over):
         q.add_argument("--target", default="sdar-tiny")
         q.add_argument("--seed", type=int, default=SEED)
         q.add_argument("--block-length", type=int, default=32)
@@ -426,6 +462,7 @@ def main() -> None:
         "record": record,
         "learn": learn,
         "measure": measure,
+        "accuracy": accuracy,
         "speed": speed,
         "overhead": overhead,
     }
