@@ -22,8 +22,9 @@ from spot.decode import generate
 from spot.drafters.files import read_header
 from spot.drafters.learning import DrafterLearner, LearnerConfig, slice_of
 from spot.drafters.recipes import record_trajectories, recording_meta
-from spot.drafters.registry import acceptance_curve, load_drafter
+from spot.drafters.registry import acceptance_curve, load_drafter, load_order_model
 from spot.drafters.replay import ReplayTarget, replay
+from spot.drafters.spot import SpotDrafter
 from spot.drafters.trajectory import TrajectoryRecorder
 
 spec = importlib.util.spec_from_file_location(
@@ -181,3 +182,30 @@ def test_offcorpus_prompts_are_many_distinct_and_fixed():
     corpus = {next(stream).prompt for _ in range(5000)}
     assert not corpus & {r["prompt"] for r in rows}
     assert torch.tensor([len(r["prompt"]) for r in rows]).float().mean() > 40
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_runner_up_tokens_change_forwards_not_tokens(nano, temperature):
+    """SPOT trees that also draft each position's runner-up tokens: the target's own tokens
+    whatever they draft, and accepted paths pass where the tree branched on a token."""
+    target, requests = nano
+    config = DecodingConfig(gen_length=32, block_length=16, temperature=temperature, seed=2)
+    model, _ = load_order_model(builtin_drafter("sdar-nano", "spot", 16, "static"))
+    plain = generate(target, requests[:8], config)
+    token_branches = 0
+
+    def on_walk(index, tree, path):
+        nonlocal token_branches
+        for parent, child in zip(path, path[1:]):
+            before = tree.nodes[parent].span
+
+            def moved(node, before=before):  # the positions a child drafted
+                return tree.nodes[node].span[: before.numel()] != before
+
+            siblings = [c for c in tree.children(parent) if c != child]
+            token_branches += any(torch.equal(moved(s), moved(child)) for s in siblings)
+
+    drafter = SpotDrafter(model, 8, token_choices=3)
+    drafted = generate(target, requests[:8], config, drafter=drafter, on_walk=on_walk)
+    assert [x.tokens.tolist() for x in drafted] == [x.tokens.tolist() for x in plain]
+    assert token_branches > 0
