@@ -161,7 +161,12 @@ def learn(args) -> None:
     its held-out rows."""
     tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
     spot_rows = tuple(int(x) for x in args.spot_rows.split(","))
-    config = LearnerConfig(spot_rows=spot_rows, min_gain=args.min_gain, epochs=args.epochs)
+    config = LearnerConfig(
+        spot_rows=spot_rows,
+        min_gain=args.min_gain,
+        epochs=args.epochs,
+        warm_epochs=args.warm_epochs,
+    )
     out = Path(args.out_dir)
     start = None
     if args.start_from_bundled:
@@ -420,6 +425,7 @@ def main() -> None:
     lrn.add_argument("--spot-rows", default="600,2400,4800")
     lrn.add_argument("--min-gain", type=float, default=0.0)
     lrn.add_argument("--epochs", type=int, default=6)
+    lrn.add_argument("--warm-epochs", type=int, default=3)
     lrn.add_argument(
         "--start-from-bundled",
         action="store_true",

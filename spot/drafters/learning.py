@@ -61,7 +61,8 @@ class LearnerConfig:
     # a round's relative gain in held-out steps per forward over the previous SPOT round:
     # the next doubling is worth about half of it; below this, the learner stops
     min_gain: float = 0.01
-    epochs: int = 6
+    epochs: int = 6  # the first SPOT round's
+    warm_epochs: int = 3  # later rounds', which start from the last round's model
     batch_size: int = 256
     lr: float = 1e-3
     order_model: OrderModelConfig = field(default_factory=OrderModelConfig)
@@ -334,7 +335,7 @@ class DrafterLearner:
             root_samples(train, config),
             root_samples(heldout, config),
             config,
-            c.epochs,
+            c.epochs if self.model is None else c.warm_epochs,
             batch_size=c.batch_size,
             lr=c.lr,
             seed=c.seed,
