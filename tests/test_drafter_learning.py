@@ -21,9 +21,10 @@ from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.files import read_header
 from spot.drafters.learning import DrafterLearner, LearnerConfig, slice_of
+from spot.drafters.order_model import stale_top
 from spot.drafters.recipes import record_trajectories, recording_meta
 from spot.drafters.registry import acceptance_curve, load_drafter, load_order_model
-from spot.drafters.replay import ReplayTarget, replay
+from spot.drafters.replay import ReplayTarget, replay, stale_logits
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.trajectory import TrajectoryRecorder
 
@@ -209,3 +210,17 @@ def test_runner_up_tokens_change_forwards_not_tokens(nano, temperature):
     drafted = generate(target, requests[:8], config, drafter=drafter, on_walk=on_walk)
     assert [x.tokens.tolist() for x in drafted] == [x.tokens.tolist() for x in plain]
     assert token_branches > 0
+
+
+def test_stale_logits_keep_the_recorded_top_k():
+    """The replay's stale logits: the recorded top-k probabilities exactly, the argmax where
+    it was, and the mass left spread below the k-th token."""
+    logits = torch.randn(4, 50) * 3
+    logits[0, 7] = 40.0  # a near-certain position: almost no mass left
+    top_logprobs, top_ids = stale_top(logits, 8)
+    rebuilt = stale_logits(top_logprobs, top_ids, 50)
+    logp = torch.log_softmax(rebuilt.double(), dim=-1)
+    assert torch.allclose(logp.gather(-1, top_ids), top_logprobs.double(), atol=1e-6)
+    assert torch.equal(rebuilt.argmax(-1), logits.argmax(-1))
+    rest = logp.scatter(-1, top_ids, float("-inf")).max(-1).values
+    assert bool((rest <= top_logprobs[:, -1].double() + 1e-9).all())

@@ -4,10 +4,12 @@ A speculative decode accepts a drafted node exactly when it equals the target's 
 (docs/design.md §1.6), and the target's own states are what a draft-free recording holds. So
 the decode loop can be replayed on a recording: each iteration drafts a tree from the stale
 forward's top-k (the recording's; the rest of the distribution spread evenly below it) and
-walks it along the recorded transitions. The forwards it counts are those the decoder would
-take, up to rounding in the stale distribution (the recording keeps float32 top-k
-log-probabilities: a drafter may break a near-tie the other way); no target forward is run.
-This is how a learner measures each new drafter on held-out rows while the job decodes.
+walks it along the recorded transitions. No target forward is run. At T=0 the forwards it
+counts are the decoder's own (the tests check every request); at T>0 the commit rule's
+tempered confidences depend on the whole vocabulary, of which the recording keeps the
+top-k, so a drafter now and then ranks positions otherwise and the count is off by a
+forward. This is how a learner measures each new drafter on held-out rows while the job
+decodes.
 """
 
 from __future__ import annotations
