@@ -132,6 +132,10 @@ def test_learner_rounds_files_and_stop(nano, tmp_path):
             assert curve.steps_per_forward[-1] == pytest.approx(r.after[4])
             assert 0.0 <= metrics["heldout_next_commit_accuracy"] <= 1.0
             assert header["trained_on"]["model"] == "builtin:sdar-nano"
+            tree = metrics["tree_calibration"]
+            assert header["tree"] == {"token_choices": tree["chosen_token_choices"]}
+            assert drafter.token_choices == tree["chosen_token_choices"]
+            assert model_scale(drafter) == tree["chosen_prior_scale"]
         else:
             metrics = json.loads(Path(r.path).read_text())["meta"]["learned"]["metrics"]
             assert drafter.calibrated.meta["records"] > 0
@@ -151,6 +155,10 @@ def test_learner_rounds_files_and_stop(nano, tmp_path):
             drafter = load_drafter(r.kind, r.path, 4, target)
             drafted = generate(target, requests[32:40], c, drafter=drafter, max_active=4)
             assert [x.tokens.tolist() for x in drafted] == [x.tokens.tolist() for x in plain]
+
+
+def model_scale(drafter) -> float:
+    return float(drafter.model.prior_scale)
 
 
 def test_learner_refuses_rows_of_another_decoding(nano, tmp_path):

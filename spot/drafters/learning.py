@@ -66,9 +66,11 @@ class LearnerConfig:
     batch_size: int = 256
     lr: float = 1e-3
     order_model: OrderModelConfig = field(default_factory=OrderModelConfig)
-    # SPOT's tree sharpness (the prior scale) is chosen among the trained one and these by
-    # the forwards replayed on the validation rows (as `calibrate-spot` does by decoding)
+    # SPOT's tree is calibrated by the forwards replayed on the validation rows: its
+    # sharpness (the prior scale: the trained one or one of these, as `calibrate-spot` does
+    # by decoding), then how many of a position's likeliest tokens a node drafts
     prior_scales: tuple[float, ...] = (2.0, 4.0)
+    tree_token_choices: tuple[int, ...] = (1, 2)
     decision_budget: int = 16  # where new drafters are compared (forwards saved)
     budgets: tuple[int, ...] = (2, 16)  # steps per forward reported per round
     replay_rows: int = 400  # held-out rows replayed (the first that arrived)
@@ -286,26 +288,39 @@ class DrafterLearner:
         if (last / previous - 1) / 2 < c.min_gain:
             self.stopped = True
 
-    def _sharpen(self, model: OrderModel, validation: Trajectories) -> dict:
-        """Leave `model` at the prior scale whose tree takes the fewest forwards on the
-        validation rows (the trained one on a tie); what was measured."""
+    def _calibrate_tree(self, model: OrderModel, validation: Trajectories) -> dict:
+        """The tree shape whose replay takes the fewest forwards at the decision budget on
+        the validation rows: first the prior scale (`model` is left at it; the trained one
+        on a tie), then how many token choices a node drafts (`tree_token_choices`, the
+        first on a tie). Returns what was measured and chosen."""
         c = self.config
         rows = validation.of_requests(self.keys["validation"][: c.replay_rows])
         trained = float(model.prior_scale.detach())
-        measured = {}
+
+        def steps(**tree) -> float:
+            drafter = SpotDrafter(model, c.decision_budget, **tree)
+            return replay(drafter, rows, self.target, False).steps_per_forward
+
         with torch.inference_mode():
+            by_scale = {}
             for scale in (trained, *c.prior_scales):
                 model.prior_scale.data.fill_(scale)
-                drafter = SpotDrafter(model, c.decision_budget)
-                measured[scale] = replay(drafter, rows, self.target, False).steps_per_forward
-        chosen = max(measured, key=lambda scale: (measured[scale], scale == trained))
-        model.prior_scale.data.fill_(chosen)
+                by_scale[scale] = steps()
+            chosen = max(by_scale, key=lambda scale: (by_scale[scale], scale == trained))
+            model.prior_scale.data.fill_(chosen)
+            first = c.tree_token_choices[0]
+            by_choices = {first: steps(token_choices=first)}
+            for n in c.tree_token_choices[1:]:
+                by_choices[n] = steps(token_choices=n)
+        choices = max(by_choices, key=lambda n: (by_choices[n], n == first))
         return {
             "budget": c.decision_budget,
-            "validation_rows": len(self.keys["validation"][: c.replay_rows]),
+            "validation_rows": rows.key.unique().numel(),
             "trained_prior_scale": trained,
-            "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in measured.items()},
+            "steps_per_forward_by_prior_scale": {f"{k:.6g}": v for k, v in by_scale.items()},
             "chosen_prior_scale": chosen,
+            "steps_per_forward_by_token_choices": {str(k): v for k, v in by_choices.items()},
+            "chosen_token_choices": choices,
         }
 
     def _trained_on(self) -> dict:
@@ -344,8 +359,8 @@ class DrafterLearner:
         )
         metrics["objective"] = "order"
         metrics["warm_start"] = self.model is not None
-        if c.prior_scales:
-            metrics["tree_calibration"] = self._sharpen(model, validation)
+        calibration = metrics["tree_calibration"] = self._calibrate_tree(model, validation)
+        tree = {"token_choices": calibration["chosen_token_choices"]}
         self.model = model
 
         def save(path, metrics, curve, learned_from):
@@ -353,7 +368,8 @@ class DrafterLearner:
                 "trained_on": self._trained_on(),
                 "metrics": metrics | {"learned_from": learned_from},
                 "acceptance_curve": curve,
+                "tree": tree,  # how the registry's loader grows its trees
             }
             save_order_model(path, model, SPOT, header)
 
-        return (lambda budget: SpotDrafter(model, budget)), save, metrics
+        return (lambda budget: SpotDrafter(model, budget, **tree)), save, metrics
