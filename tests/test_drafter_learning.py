@@ -52,7 +52,8 @@ def test_replay_counts_the_decoders_own_forwards(nano, temperature):
     requests = requests[:8]
     config = DecodingConfig(gen_length=32, block_length=16, temperature=temperature, seed=5)
     traj = record_trajectories(target, requests, config, batch_size=4)
-    for kind, budget in (("spiffy", 2), ("spiffy", 16), ("spot", 3), ("spot", 16)):
+    cases = (("spiffy", 2), ("spiffy", 16), ("spot", 3), ("spot", 16))
+    for kind, budget in cases if temperature == 0.0 else cases[::3]:
         path = builtin_drafter("sdar-nano", kind, 16, "static")
         drafter = load_drafter(kind, path, budget, target)
         results = generate(target, requests, config, drafter=drafter, max_active=4)
@@ -62,7 +63,7 @@ def test_replay_counts_the_decoders_own_forwards(nano, temperature):
             assert replayed.forwards == decoded
         else:
             same = sum(replayed.forwards[k] == n for k, n in decoded.items())
-            assert same >= 6
+            assert same >= 6  # of 8
             assert sum(replayed.forwards.values()) == pytest.approx(sum(decoded.values()), 0.05)
         assert sum(replayed.steps.values()) == traj.segment.numel()
         assert replayed.stops.total() == sum(replayed.forwards.values())
