@@ -423,7 +423,9 @@ def main() -> None:
     lrn.add_argument("--out-dir", required=True)
     lrn.add_argument("--rows", type=int, default=4800, help="learn from the first ROWS rows")
     lrn.add_argument("--spot-rows", default="600,2400,4800")
-    lrn.add_argument("--min-gain", type=float, default=0.0)
+    lrn.add_argument(
+        "--min-gain", type=float, default=-1.0, help="the learner's (default: every round)"
+    )
     lrn.add_argument("--epochs", type=int, default=6)
     lrn.add_argument("--warm-epochs", type=int, default=3)
     lrn.add_argument(

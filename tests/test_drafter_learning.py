@@ -120,6 +120,8 @@ def test_learner_rounds_files_and_stop(nano, tmp_path):
     with torch.no_grad():  # as a benchmark or a decoding process calls it
         second = learner.learn()
     assert second.kind == "spot" and second.metrics["warm_start"] is True
+    assert "gain_over_last_spot" not in first.metrics
+    assert second.metrics["gain_over_last_spot"] < 2 * 10.0
     assert learner.done and learner.due() is None  # the gain cannot reach min_gain
 
     # every round's file loads by kind and path, with its rows and held-out figures

@@ -203,7 +203,7 @@ class DrafterLearner:
 
     def learn(self) -> Round | None:
         """Make the drafter that is due (recalibrating Spiffy before each SPOT round), measure
-        it on the held-out rows and decide; the rounds made, the last first."""
+        it on the held-out rows and decide; returns its round (`rounds` has them all)."""
         due = self.due()
         if due is None:
             return None
@@ -227,7 +227,7 @@ class DrafterLearner:
         """The held-out rows every drafter is replayed on: the first `replay_rows` of them."""
         return self._heldout().of_requests(self.keys["heldout"][: self.config.replay_rows])
 
-    def _steps(self, drafter: BudgetedDrafter | None, held: Trajectories, budget: int):
+    def _steps(self, drafter: BudgetedDrafter | None, held: Trajectories):
         if drafter is None:
             return 1.0, None
         result = replay(drafter, held, self.target)
@@ -245,12 +245,21 @@ class DrafterLearner:
         held = self._replayed()
         drafter_at, save, metrics = make()
         before, after, curve = {}, {}, None
+        # loaded outside inference mode: a network's parameters must stay normal tensors
+        in_use = {budget: self._in_use(budget) for budget in c.budgets}
+        spots = [r for r in self.rounds if r.kind == SPOT]
+        last = None
+        if kind == SPOT and spots:  # what the rows since the last SPOT round bought
+            last = load_drafter(SPOT, spots[-1].path, c.decision_budget, None)
         with torch.inference_mode():
             for budget in c.budgets:
-                before[budget], _ = self._steps(self._in_use(budget), held, budget)
-                after[budget], result = self._steps(drafter_at(budget), held, budget)
+                before[budget], _ = self._steps(in_use[budget], held)
+                after[budget], result = self._steps(drafter_at(budget), held)
                 if budget == max(c.budgets):
                     curve = result.curve([b for b in CURVE_BUDGETS if b <= budget]).to_dict()
+            if last is not None:
+                gain = after[c.decision_budget] / self._steps(last, held)[0] - 1
+                metrics = metrics | {"gain_over_last_spot": gain}
         adopted = after[c.decision_budget] > before[c.decision_budget]
         learned_from = {name: list(keys) for name, keys in self.keys.items()}
         metrics = metrics | {
@@ -277,16 +286,15 @@ class DrafterLearner:
         return done
 
     def _decide_to_stop(self) -> None:
+        """Stop after the last scheduled round, or once a round (past `min_spot_rounds`)
+        gained so little over the last one, on the same held-out rows, that the next, worth
+        about half as much, would gain less than `min_gain`."""
         c = self.config
         spots = [r for r in self.rounds if r.kind == SPOT]
         if len(spots) == len(c.spot_rows):
             self.stopped = True
-            return
-        if len(spots) < max(2, c.min_spot_rounds):
-            return
-        last, previous = spots[-1].after[c.decision_budget], spots[-2].after[c.decision_budget]
-        if (last / previous - 1) / 2 < c.min_gain:
-            self.stopped = True
+        elif len(spots) >= max(2, c.min_spot_rounds):
+            self.stopped = spots[-1].metrics["gain_over_last_spot"] / 2 < c.min_gain
 
     def _calibrate_tree(self, model: OrderModel, validation: Trajectories) -> dict:
         """The tree shape whose replay takes the fewest forwards at the decision budget on
