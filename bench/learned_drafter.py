@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from spot.budget import AutoBudget, measure_forward_cost  # noqa: E402
 from spot.builtin import builtin_drafter  # noqa: E402
 from spot.config import DecodingConfig  # noqa: E402
 from spot.decode import generate  # noqa: E402
-from spot.drafters.learning import DrafterLearner, LearnerConfig  # noqa: E402
+from spot.drafters.learning import SPIFFY, SPOT, DrafterLearner, LearnerConfig  # noqa: E402
 from spot.drafters.order_model import OrderModel, OrderModelConfig  # noqa: E402
 from spot.drafters.recipes import recording_meta  # noqa: E402
 from spot.drafters.registry import (  # noqa: E402
@@ -33,7 +34,7 @@ from spot.drafters.registry import (  # noqa: E402
     load_drafter,
     load_order_model,
 )
-from spot.drafters.replay import STOPS, ReplayTarget, replay  # noqa: E402
+from spot.drafters.replay import STOPS, Replay, ReplayTarget, replay  # noqa: E402
 from spot.drafters.spot import SpotDrafter  # noqa: E402
 from spot.drafters.trajectory import Trajectories, TrajectoryRecorder  # noqa: E402
 
@@ -228,8 +229,8 @@ def commits_of(traj: Trajectories) -> dict[tuple[int, int], torch.Tensor]:
 
 
 def learned_drafters(folder: Path, budget: int, target) -> list[tuple[str, object]]:
-    """(label, drafter) of the learner's rounds: each SPOT round, and the Spiffy graph
-    calibrated on the same rows."""
+    """(label, drafter factory) of the learner's rounds: each SPOT round, and the Spiffy
+    graph calibrated on the same rows."""
     if not (folder / "rounds.json").exists():
         return []
     rounds = json.loads((folder / "rounds.json").read_text())
@@ -240,7 +241,7 @@ def learned_drafters(folder: Path, budget: int, target) -> list[tuple[str, objec
         ):
             continue
         label = f"learned {'SPOT' if r['kind'] == 'spot' else 'Spiffy'}, {r['rows']} rows"
-        out.append((label, load_drafter(r["kind"], r["path"], budget, target)))
+        out.append((label, lambda r=r: load_drafter(r["kind"], r["path"], budget, target)))
     return out
 
 
@@ -248,44 +249,62 @@ def untrained() -> OrderModel:
     return OrderModel(OrderModelConfig())
 
 
+def saved_replay(entry: dict) -> Replay:
+    return Replay(
+        {int(k): v for k, v in entry["forwards"].items()},
+        {int(k): v for k, v in entry["steps"].items()},
+        Counter(entry["stops"]),
+    )
+
+
 def measure(args) -> None:
     """Forwards on the measuring rows (none of which the learner saw), by replaying the
     decode loop over their recorded trajectories (`spot.drafters.replay`, which counts the
-    decoder's own forwards at T=0; --check decodes the first rows to confirm it)."""
+    decoder's own forwards at T=0; --check decodes the first rows to confirm it). With
+    --results, replays already saved there are read back instead of run again (a learner's
+    later rounds are measured as they come)."""
     tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
     held = measuring_rows(args)
     replay_target = ReplayTarget.of(target)
     records = held.segment.numel()
     requests = int(held.key.unique().numel())
     commits = commits_of(held)
+    saved_path = Path(args.results) if args.results else None
+    saved = json.loads(saved_path.read_text()) if saved_path and saved_path.exists() else {}
     print(
         f"{args.target}, measuring rows {args.measure} ({requests} prompts, {records} "
         f"draft-free forwards), block {held.block_length}, gen {held.meta['gen_length']}"
     )
+    spiffy, spot = (builtin_drafter(args.target, k, held.block_length) for k in (SPIFFY, SPOT))
     for budget in (int(b) for b in args.budgets.split(",")):
         variants = [
-            (
-                "bundled Spiffy",
-                load_drafter("spiffy", builtin_drafter(args.target, "spiffy", 32), budget, target),
-            ),
-            (
-                "bundled SPOT",
-                load_drafter("spot", builtin_drafter(args.target, "spot", 32), budget, target),
-            ),
+            ("bundled Spiffy", lambda b=budget: load_drafter(SPIFFY, spiffy, b, target)),
+            ("bundled SPOT", lambda b=budget: load_drafter(SPOT, spot, b, target)),
             *learned_drafters(Path(args.learned), budget, target),
-            (
-                "SPOT untrained (the rule's guess)",
-                SpotDrafter(OrderModel(OrderModelConfig()), budget),
-            ),
-            ("order oracle", OrderOracle(commits, budget)),
+            ("SPOT untrained (the rule's guess)", lambda b=budget: SpotDrafter(untrained(), b)),
+            ("order oracle", lambda b=budget: OrderOracle(commits, b)),
         ]
         rows = []
-        for name, drafter in variants:
+        for name, make in variants:
+            key = f"{args.measure} {budget} {name}"
+            if key in saved and not args.check:
+                rows.append((name, saved_replay(saved[key]), saved[key]["seconds"]))
+                continue
+            drafter = make()
             t0 = time.perf_counter()
             result = replay(drafter, held, replay_target, keep_walks=False)
             rows.append((name, result, time.perf_counter() - t0))
             if args.check:
                 check_replay(args, tokenizer, target, held, drafter, result)
+                print(f"checked: {name} at budget {budget}, {args.check} prompts", flush=True)
+            if saved_path:
+                saved[key] = {
+                    "forwards": result.forwards,
+                    "steps": result.steps,
+                    "stops": dict(result.stops),
+                    "seconds": rows[-1][2],
+                }
+                saved_path.write_text(json.dumps(saved))
         print()
         print(f"budget {budget}:")
         print()
@@ -439,6 +458,7 @@ def main() -> None:
     mea.add_argument("--measure", default="4800:5400", help="measuring rows, start:stop")
     mea.add_argument("--budgets", default="16,2")
     mea.add_argument("--check", type=int, default=0, help="decode this many to check")
+    mea.add_argument("--results", help="a JSON file of replays to reuse and extend")
     acc = sub.add_parser("accuracy", help=accuracy.__doc__)
     acc.add_argument("--rows-dir", required=True)
     acc.add_argument("--learned", required=True, help="a learn --out-dir")
