@@ -312,28 +312,32 @@ def measure(args) -> None:
 
 
 def forwards_table(rows, records: int) -> str:
+    """Forwards of each decoder and its saving (steps per forward - 1: the forwards a
+    drafter saves per forward it takes) against Spiffy's, bundled and learned (the learned
+    Spiffy calibrated on the same rows, or on the most rows for the others)."""
     by_name = {name: result for name, result, _ in rows}
-    spiffy = by_name["bundled Spiffy"]
-    learned = [n for n in by_name if n.startswith("learned Spiffy")]
-    learned_spiffy = by_name[learned[-1]] if learned else None
+    learned = {n.split(", ")[1]: r for n, r in by_name.items() if n.startswith("learned Spiffy")}
+    most = learned[max(learned, key=lambda n: int(n.split()[0]))] if learned else None
     lines = [
         "| decoder | forwards | steps/forward | fewer forwards than draft-free | "
-        "vs bundled Spiffy | vs learned Spiffy (most rows) | walks stopped by "
+        "saving vs bundled Spiffy | saving vs learned Spiffy | walks stopped by "
         + " / ".join(STOPS)
         + " |",
         "|---|---|---|---|---|---|---|",
         f"| draft-free | {records} | 1.00 | 1.00x | – | – | – |",
     ]
 
-    def total(r):
-        return sum(r.forwards.values())
+    def saving(r):
+        return r.steps_per_forward - 1
 
     for name, result, _ in rows:
-        f = total(result)
-        vs_learned = f"{total(learned_spiffy) / f:.3f}x" if learned_spiffy else "–"
+        f = sum(result.forwards.values())
+        spiffy = learned.get(name.split(", ")[-1], most) if name.startswith("learned") else most
+        vs_learned = f"{saving(result) / saving(spiffy):.3f}x" if spiffy else "–"
+        vs_bundled = saving(result) / saving(by_name["bundled Spiffy"])
         lines.append(
-            f"| {name} | {f} | {result.steps_per_forward:.2f} | {records / f:.2f}x | "
-            f"{total(spiffy) / f:.3f}x | {vs_learned} | "
+            f"| {name} | {f} | {result.steps_per_forward:.3f} | {records / f:.2f}x | "
+            f"{vs_bundled:.3f}x | {vs_learned} | "
             + " / ".join(f"{result.stops[k] / result.stops.total():.0%}" for k in STOPS)
             + " |"
         )
@@ -384,6 +388,40 @@ def accuracy(args) -> None:
             + " | ".join(f"{root[m].mean():.3f}" for _, root in columns)
             + " |"
         )
+
+
+def tree(args) -> None:
+    """Steps per forward of one SPOT order model's tree by its shape (prior scale, token
+    choices per position, children per node), replayed at --budget on rows the model did not
+    learn from: how much of what limits SPOT is the tree rather than the order model."""
+    _, target = load_model_and_tokenizer(f"builtin:{args.target}")
+    held = measuring_rows(args)
+    replay_target = ReplayTarget.of(target)
+    model, _ = load_order_model(args.drafter)
+    trained = float(model.prior_scale.detach())
+    scales = [trained, *args.scales]
+    print(f"{args.drafter}, rows {args.measure}, budget {args.budget}")
+    print()
+    print(
+        "| prior scale | token choices | children per node | steps/forward | stopped by "
+        + " / ".join(STOPS)
+        + " |"
+    )
+    print("|---|---|---|---|---|")
+    for scale in scales:
+        model.prior_scale.data.fill_(scale)
+        for choices in args.token_choices:
+            for branching in args.branching:
+                drafter = SpotDrafter(
+                    model, args.budget, branching=branching, token_choices=choices
+                )
+                result = replay(drafter, held, replay_target, keep_walks=False)
+                stops = " / ".join(f"{result.stops[k] / result.stops.total():.0%}" for k in STOPS)
+                print(
+                    f"| {scale:.3g} | {choices} | {branching} | "
+                    f"{result.steps_per_forward:.3f} | {stops} |",
+                    flush=True,
+                )
 
 
 def speed(args) -> None:
@@ -463,6 +501,18 @@ def main() -> None:
     acc.add_argument("--rows-dir", required=True)
     acc.add_argument("--learned", required=True, help="a learn --out-dir")
     acc.add_argument("--measure", default="4800:5000", help="measuring rows, start:stop")
+    tre = sub.add_parser("tree", help=tree.__doc__)
+    tre.add_argument("--rows-dir", required=True)
+    tre.add_argument("--drafter", required=True, help="a SPOT drafter file")
+    tre.add_argument("--measure", default="4600:4800", help="rows, start:stop")
+    tre.add_argument("--budget", type=int, default=16)
+    tre.add_argument(
+        "--scales", type=lambda t: [float(x) for x in t.split(",") if x], default=[2.0, 4.0]
+    )
+    tre.add_argument(
+        "--token-choices", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2, 3]
+    )
+    tre.add_argument("--branching", type=lambda t: [int(x) for x in t.split(",")], default=[4])
     spd = sub.add_parser("speed", help=speed.__doc__)
     spd.add_argument("--rows-dir", required=True)
     spd.add_argument("--learned", required=True, help="a learn --out-dir")
@@ -478,7 +528,7 @@ def main() -> None:
     over.add_argument("--prompts", type=int, default=64)
     over.add_argument("--batch-size", type=int, default=8)
     over.add_argument("--passes", type=int, default=4)
-    for q in (rec, lrn, mea, acc, spd, over):
+    for q in (rec, lrn, mea, acc, tre, spd, over):
         q.add_argument("--target", default="sdar-tiny")
         q.add_argument("--seed", type=int, default=SEED)
         q.add_argument("--block-length", type=int, default=32)
@@ -491,6 +541,7 @@ def main() -> None:
         "learn": learn,
         "measure": measure,
         "accuracy": accuracy,
+        "tree": tree,
         "speed": speed,
         "overhead": overhead,
     }
