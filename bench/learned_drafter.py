@@ -172,6 +172,8 @@ def learn(args) -> None:
     start = None
     if args.start_from_bundled:
         start, _ = load_order_model(builtin_drafter(args.target, "spot", args.block_length))
+    elif args.start_from:
+        start, _ = load_order_model(args.start_from)
     model_path = f"builtin:{args.target}"
     learner = DrafterLearner(ReplayTarget.of(target), out, config, model_path, start)
     rounds = []
@@ -280,7 +282,7 @@ def measure(args) -> None:
         variants = [
             ("bundled Spiffy", lambda b=budget: load_drafter(SPIFFY, spiffy, b, target)),
             ("bundled SPOT", lambda b=budget: load_drafter(SPOT, spot, b, target)),
-            *learned_drafters(Path(args.learned), budget, target),
+            *(d for f in args.learned for d in learned_drafters(Path(f), budget, target)),
             ("SPOT untrained (the rule's guess)", lambda b=budget: SpotDrafter(untrained(), b)),
             ("order oracle", lambda b=budget: OrderOracle(commits, b)),
         ]
@@ -490,9 +492,16 @@ def main() -> None:
         action="store_true",
         help="the first SPOT round continues from the target's bundled SPOT",
     )
+    lrn.add_argument(
+        "--start-from",
+        help="a SPOT drafter file the first SPOT round continues from (with --warm-epochs: "
+        "a later round of an earlier learn, made on its own)",
+    )
     mea = sub.add_parser("measure", help=measure.__doc__)
     mea.add_argument("--rows-dir", required=True)
-    mea.add_argument("--learned", required=True, help="a learn --out-dir")
+    mea.add_argument(
+        "--learned", required=True, action="append", help="a learn --out-dir (repeatable)"
+    )
     mea.add_argument("--measure", default="4800:5400", help="measuring rows, start:stop")
     mea.add_argument("--budgets", default="16,2")
     mea.add_argument("--check", type=int, default=0, help="decode this many to check")
