@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +155,11 @@ class Trajectories:
         cut = segments[int(len(segments) * (1 - fraction))]
         keep = self.segment < cut
         return self._select(keep), self._select(~keep)
+
+    def of_requests(self, keys: Iterable[int]) -> Trajectories:
+        """The records of the requests whose noise keys are in `keys`, in this order."""
+        wanted = torch.tensor(sorted(set(keys)), dtype=self.key.dtype)
+        return self._select(torch.isin(self.key, wanted))
 
     def _select(self, rows: torch.Tensor) -> Trajectories:
         hidden = None if self.hidden is None else self.hidden[rows]
