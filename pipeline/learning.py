@@ -95,6 +95,8 @@ class LearnerState:
         self.learner = DrafterLearner(None, self.out_dir, config, job.model.path.text)
         self.seen: set[int] = set()  # request keys taken (a retried row is recorded twice)
         self.inbox: list[Any] = []
+        self.rows_received = 0
+        self.recording_seconds = 0.0  # the replicas', recording the rows received
         self.failed: str | None = None
         self.version = 0
         self.handout = self._start()
@@ -152,12 +154,15 @@ class LearnerState:
         return Handout(self.version, done.kind, label, path.suffix.lstrip("."), data)
 
     # -- what replicas and the driver call ----------------------------------------------
-    def add(self, parts: list[Any], replay_target: Any) -> None:
-        """Trajectories of finished rows (`Trajectories`, any number of rows each) and what
-        of the target a replay needs (`ReplayTarget`)."""
-        if self.learner.done:
-            return
+    def add(self, parts: list[Any], replay_target: Any, seconds: float) -> None:
+        """Trajectories of finished rows (`Trajectories`, any number of rows each), what of
+        the target a replay needs (`ReplayTarget`) and the replica's seconds spent recording
+        them."""
         with self._wake:
+            self.recording_seconds += seconds
+            self.rows_received += len(parts)
+            if self.learner.done:
+                return
             self.learner.target = self.learner.target or replay_target
             self.inbox += parts
             self._wake.notify()
@@ -187,6 +192,8 @@ class LearnerState:
             "stopped": learner.done,
             "rows": learner.rows,
             "rows_by_slice": {name: len(keys) for name, keys in learner.keys.items()},
+            "rows_received": self.rows_received,
+            "recording_seconds": self.recording_seconds,
             "error": self.failed,
         }
 
@@ -258,8 +265,8 @@ class Learner:
     def __init__(self, job: Job):
         self.state = LearnerState(job)
 
-    def add(self, parts: list[Any], replay_target: Any) -> None:
-        self.state.add(parts, replay_target)
+    def add(self, parts: list[Any], replay_target: Any, seconds: float) -> None:
+        self.state.add(parts, replay_target, seconds)
 
     def latest(self, version: int) -> dict[str, Any]:
         return self.state.latest(version)
@@ -293,6 +300,7 @@ class RowRecording:
         self.rows_per_send = engine.job.resources.batch_size
         self.on = True
         self.seconds = 0.0  # spent recording (the trace's work and taking rows out)
+        self._sent_seconds = 0.0
         self.rows = 0
         self._lock = threading.Lock()
         self._buffer: list[Any] = []
@@ -321,8 +329,9 @@ class RowRecording:
     def send(self) -> None:
         with self._lock:
             parts, self._buffer = self._buffer, []
+            seconds, self._sent_seconds = self.seconds - self._sent_seconds, self.seconds
         if parts:
-            self.learner.add.remote(parts, self.replay_target)
+            self.learner.add.remote(parts, self.replay_target, seconds)
 
 
 class TimedTrace:

@@ -314,7 +314,7 @@ def _run_record(
         "prefill_seconds": written.get("prefill_seconds", 0.0),
         "batch_failures": report.get("batch_failures", {"count": 0, "by_error": {}}),
         "progress": samples,
-    }
+    } | ({"drafter_learning": report["drafter_learning"]} if "drafter_learning" in report else {})
 
 
 def submit_to_cluster(
