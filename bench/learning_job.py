@@ -123,6 +123,37 @@ def run_variant(args: argparse.Namespace, variant: str, prompts: Path, work: Pat
     return result
 
 
+def recording_cost(args: argparse.Namespace, rows: list[dict], repeats: int = 3) -> dict:
+    """Seconds to decode the same rows with and without the trace a learning job records
+    them with (in this process, the replica's decode loop and torch threads; rounds
+    interleaved so that a slow spell of the machine falls on both)."""
+    import torch
+
+    from pipeline.drafter_data import encode, load_model_and_tokenizer
+    from spot.config import DecodingConfig
+    from spot.decode import generate
+    from spot.drafters.trajectory import TrajectoryRecorder
+
+    torch.set_num_threads(max(1, round(args.replica_cpus)))
+    tokenizer, target = load_model_and_tokenizer(f"builtin:{args.target}")
+    requests = encode(tokenizer, rows)
+    config = DecodingConfig(
+        gen_length=args.gen_length, block_length=args.block_length, temperature=args.temperature
+    )
+    seconds: dict[str, list[float]] = {"plain": [], "recorded": []}
+    for _ in range(repeats):
+        for name in seconds:
+            trace = None
+            if name == "recorded":
+                keys = {i: r.key for i, r in enumerate(requests)}
+                trace = TrajectoryRecorder(keys, args.block_length, target.mask_id)
+            start = time.perf_counter()
+            generate(target, requests, config, trace=trace, max_active=args.batch_size)
+            seconds[name].append(time.perf_counter() - start)
+    plain, recorded = (min(seconds[n]) for n in ("plain", "recorded"))
+    return {"rows": len(requests), "plain_seconds": plain, "recorded_seconds": recorded}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=400)
@@ -138,6 +169,12 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="learning thresholds for short jobs")
     p.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--work", type=Path, default=None, help="folder for jobs and outputs")
+    p.add_argument(
+        "--recording-rows",
+        type=int,
+        default=64,
+        help="rows decoded in this process with and without recording (0: skip)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     args.budget = args.budget if args.budget == "auto" else int(args.budget)
@@ -184,6 +221,14 @@ def main() -> None:
                 f"{x['steps_per_forward_after'][budget]:.3f}, {x['seconds']:.1f} s, "
                 f"{'adopted' if x['adopted'] else 'not adopted'}"
             )
+    if args.recording_rows:
+        cost = recording_cost(args, rows[: args.recording_rows])
+        print(
+            f"\nrecording {cost['rows']} rows in one process (batch {args.batch_size}): "
+            f"{cost['plain_seconds']:.2f} s without, {cost['recorded_seconds']:.2f} s with "
+            f"({cost['recorded_seconds'] / cost['plain_seconds'] - 1:+.1%}); no extra forward"
+        )
+        results.append({"variant": "recording-cost"} | cost)
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -32,8 +33,8 @@ from typing import Any
 import ray
 
 from pipeline.job import Job
+from pipeline.output import DRAFTER_DIR
 
-DRAFTER_DIR = "drafter"  # under output.path
 ROUNDS_FILE = "rounds.json"
 POLL_SECONDS = 0.5  # how often a replica asks the learner for a new drafter
 # when the rows are done, how long the driver waits for a learning round in progress (its
@@ -81,6 +82,10 @@ class LearnerState:
     """The learner's side of a learning job, in the `Learner` actor (see the module doc)."""
 
     def __init__(self, job: Job):
+        # torch's optimizers import its compiler stack, which makes a cache folder under
+        # TMPDIR at import: this process's own, removed when it closes
+        self._scratch = tempfile.mkdtemp(prefix="spot-learner-")
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", self._scratch)
         import torch
 
         from spot.drafters.learning import DrafterLearner
@@ -181,6 +186,7 @@ class LearnerState:
             self._closing = True
             self._wake.notify()
         self._thread.join(timeout)
+        shutil.rmtree(self._scratch, ignore_errors=True)
         return self.state()
 
     def state(self) -> dict[str, Any]:
