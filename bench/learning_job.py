@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
@@ -92,7 +93,7 @@ def run_variant(args: argparse.Namespace, variant: str, prompts: Path, work: Pat
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    table = pq.read_table(out / "data", columns=["nfe", "steps", "drafter"])
+    table = pq.read_table(out / "data", columns=["id", "nfe", "steps", "drafter"])
     nfe, steps = (pc.sum(table.column(c)).as_py() for c in ("nfe", "steps"))
     result = {
         "variant": variant,
@@ -109,6 +110,7 @@ def run_variant(args: argparse.Namespace, variant: str, prompts: Path, work: Pat
         label = "none" if last is None else f"{last['kind']}:learned round {last['round']}"
         after = table.filter(pc.equal(table.column("drafter"), label))
         result |= {
+            "ids_after_learning": after.column("id").to_pylist(),
             "rounds": learning["rounds"],
             "recording_seconds": learning["recording_seconds"],
             "rows_received": learning["rows_received"],
@@ -167,7 +169,7 @@ def main() -> None:
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--learner-cpus", type=float, default=1.0)
     p.add_argument("--small", action="store_true", help="learning thresholds for short jobs")
-    p.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variant", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--work", type=Path, default=None, help="folder for jobs and outputs")
     p.add_argument(
         "--recording-rows",
@@ -204,14 +206,27 @@ def main() -> None:
             f"{r['steps_per_forward']:>9.3f} {ratio:>8.3f}x {r['wall_seconds']:>8.1f} "
             f"{r['tokens_per_second']:>8.1f}"
         )
+    tables = {r["variant"]: pq.read_table(work / r["variant"] / "data") for r in results}
     for r in results:
         if "rounds" not in r:
             continue
+        for other in ("draft-free", "bundled"):  # the rows after learning, decoded otherwise
+            if other in tables:
+                same = tables[other].filter(
+                    pc.is_in(
+                        tables[other].column("id"), value_set=pa.array(r["ids_after_learning"])
+                    )
+                )
+                rate = pc.sum(same.column("steps")).as_py() / max(
+                    1, pc.sum(same.column("nfe")).as_py()
+                )
+                r[f"{other}_steps_per_forward_on_rows_after_learning"] = rate
         print(
             f"\nlearning: {r['rows_received']} rows recorded ({r['recording_seconds']:.1f} "
             f"replica-seconds recording), stopped: {r['stopped']}; "
             f"{r['rows_after_learning']} rows finished with the last drafter handed out, "
-            f"steps/forward {r['steps_per_forward_after_learning'] or 0:.3f}"
+            f"steps/forward {r['steps_per_forward_after_learning'] or 0:.3f} (bundled on the "
+            f"same rows: {r.get('bundled_steps_per_forward_on_rows_after_learning', 0):.3f})"
         )
         for x in r["rounds"]:
             budget = max(x["steps_per_forward_after"], key=int)
