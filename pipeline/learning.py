@@ -133,23 +133,37 @@ class LearnerState:
         path = self.job.drafter_path()
         if path is None:
             return Handout(0, None, "none")
-        learner.current = Round(0, "spot", Path(path), 0, {}, {}, {}, {}, 0.0, True)
+        learner.current = self._round(  # round 0: what the rounds measure against
+            {
+                "round": 0,
+                "kind": "spot",
+                "file": path,  # absolute: joined to the folder, it stays itself
+                "rows": 0,
+                "rows_by_slice": {},
+                "metrics": {},
+                "steps_per_forward_before": {},
+                "steps_per_forward_after": {},
+                "seconds": 0.0,
+                "adopted": True,
+            },
+            Round,
+        )
         learner.model = load_order_model(path)[0].train()
         return self._handout(learner.current, self.job.drafter_label())
 
     def _round(self, record: dict, round_class: type) -> Any:
         """A round of rounds.json, its file found beside it."""
         return round_class(
-            record["round"],
-            record["kind"],
-            self.out_dir / record["file"],
-            record["rows"],
-            record["rows_by_slice"],
-            record["metrics"],
-            {int(b): v for b, v in record["steps_per_forward_before"].items()},
-            {int(b): v for b, v in record["steps_per_forward_after"].items()},
-            record["seconds"],
-            record["adopted"],
+            number=record["round"],
+            kind=record["kind"],
+            path=self.out_dir / record["file"],
+            rows=record["rows"],
+            rows_by_slice=record["rows_by_slice"],
+            metrics=record["metrics"],
+            before={int(b): v for b, v in record["steps_per_forward_before"].items()},
+            after={int(b): v for b, v in record["steps_per_forward_after"].items()},
+            seconds=record["seconds"],
+            adopted=record["adopted"],
         )
 
     def _handout(self, done: Any, label: str | None = None) -> Handout:

@@ -155,7 +155,21 @@ def test_a_learning_job_is_exact_resumable_and_its_drafter_serves_another(
     assert again["rounds"][: len(rounds)] == rounds  # kept, numbering goes on
     assert len(_summary(out)["runs"]) == 2
 
-    if temperature == 0.0:
+    if temperature == 0.0:  # a learning job that starts from a learned file
+        start = _job(
+            tmp_path,
+            "start",
+            limit=24,
+            temperature=temperature,
+            drafter=_learning(spot_rows=[64]) | {"path": str(spot)},
+        )
+        started = run_cli("submit", str(start))
+        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+        rows_start = _rows(tmp_path / "start")
+        assert {k: t for k, (t, _) in rows_start.items()} == {k: expected[k] for k in rows_start}
+        assert "none" not in {label for _, label in rows_start.values()}
+        first_round = json.loads((tmp_path / "start" / "drafter" / "rounds.json").read_text())
+        assert first_round["rounds"][0]["steps_per_forward_before"]["4"] > 1.0  # against it
         return
     # the learned SPOT file in another job's drafter.path, budget auto reading its curve
     other = _job(
