@@ -193,9 +193,11 @@ class LearningConfig(_Section):
         None, ge=1, description="Held-out rows replayed to measure each drafter."
     )
     num_cpus: float = Field(
-        1.0, gt=0.0, description="CPUs of the learner (one Ray actor beside the replicas)."
+        1.0,
+        gt=0.0,
+        description="CPUs of the learner (one Ray actor beside the replicas); it trains and "
+        "measures there.",
     )
-    num_gpus: float = Field(0.0, ge=0.0, description="GPUs of the learner (it trains there).")
 
     @field_validator("spot_rows")
     @classmethod
@@ -209,7 +211,7 @@ class LearningConfig(_Section):
         the learner, and torch: call it where it runs, or to check the section)."""
         from spot.drafters.learning import LearnerConfig
 
-        given = self.model_dump(exclude={"num_cpus", "num_gpus"}, exclude_none=True)
+        given = self.model_dump(exclude={"num_cpus"}, exclude_none=True)
         return LearnerConfig(**given)
 
 

@@ -4,7 +4,7 @@
   (`spot.drafters.trajectory.TrajectoryRecorder`: the target's own states and logits of the
   forwards it takes anyway) and sends finished rows to the job's one `Learner` actor
   (`RowRecording`).
-- The learner, an actor with its own CPUs or GPU, runs `spot.drafters.learning.DrafterLearner`
+- The learner, an actor with CPUs of its own, runs `spot.drafters.learning.DrafterLearner`
   in a thread of its own: Spiffy first, SPOT in rounds, each measured on held-out rows. Each
   drafter it hands out (its file's bytes) is put in Ray's object store; the files and
   rounds.json go under <output.path>/drafter/.
@@ -280,7 +280,7 @@ def _of(part: Any, keys: list[int]) -> Any:
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Learner:
     """The job's one learner (a threaded actor: replicas add rows and poll while it learns);
-    made with the learning section's CPUs and GPUs (`start_learner`)."""
+    made with the learning section's CPUs (`start_learner`)."""
 
     def __init__(self, job: Job):
         self.state = LearnerState(job)
@@ -296,9 +296,10 @@ class Learner:
 
 
 def start_learner(job: Job) -> ray.actor.ActorHandle:
-    """The job's learner actor, with the CPUs and GPUs of `drafter.learning`."""
+    """The job's learner actor, with the CPUs of `drafter.learning` (it trains on CPU: the
+    order model is small, and its trainer takes no device yet)."""
     learning = job.drafter.learning
-    return Learner.options(num_cpus=learning.num_cpus, num_gpus=learning.num_gpus).remote(job)
+    return Learner.options(num_cpus=learning.num_cpus).remote(job)
 
 
 class RowRecording:

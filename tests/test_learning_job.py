@@ -83,8 +83,8 @@ def test_bad_learning_settings_are_refused_naming_the_key(tmp_path: Path):
     assert "drafter.learning.spiffy_rows: Input should be greater than or equal to 1" in (
         refused("drafter.learning.spiffy_rows=0")
     )
-    assert "drafter.learning.num_gpus: Input should be greater than or equal to 0" in (
-        refused("drafter.learning.num_gpus=-1")
+    assert "drafter.learning.num_cpus: Input should be greater than 0" in (
+        refused("drafter.learning.num_cpus=0")
     )
     assert "drafter.learning.epoch: unknown key" in refused("drafter.learning.epoch=3")
     assert "drafter.learn: learned drafters are written under output.path" in (
