@@ -214,7 +214,8 @@ def main() -> None:
             if other in tables:
                 same = tables[other].filter(
                     pc.is_in(
-                        tables[other].column("id"), value_set=pa.array(r["ids_after_learning"])
+                        tables[other].column("id"),
+                        value_set=pa.array(r["ids_after_learning"], pa.string()),
                     )
                 )
                 rate = pc.sum(same.column("steps")).as_py() / max(
