@@ -2,7 +2,7 @@
 
 The bundled targets were trained on templated grade-school word problems ("Ana has 12
 apples and gives 5 to Ben..."), function traces, small Python functions and JSON records
-(`spot_factory/corpus.py`). A job that learns its drafter meets prompts like these instead:
+(`spot_common/corpus.py`). A job that learns its drafter meets prompts like these instead:
 maths in other words and other domains, instructions, free questions, code requests in other
 languages, classification, rewriting, translation, extraction, creative requests and advice.
 Each kind has several phrasings whose slots are filled from word lists and numbers, so the

@@ -121,23 +121,27 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 
 # run_cli(count_calls=...): the CLI, counting every call of these functions in the driver's
-# main thread (a profile hook sees them however they were imported), written as JSON
+# main thread (a profile hook sees them however they were imported), written as JSON. Each
+# call is appended to a log as it happens, so the calls of the driver's forked session
+# (pipeline.session), which leaves without running this process's `finally`, count too.
 COUNTED_CALLS = """
 import collections, json, sys
 from pipeline import fingerprint, inputs
 from pipeline.cli import main
 watched = {f.__code__: f.__name__ for f in (%s)}
-calls = collections.Counter()
+log = sys.argv[1] + ".calls"
+open(log, "w").close()
 def profile(frame, event, arg):
     if event == "call" and frame.f_code in watched:
-        calls[watched[frame.f_code]] += 1
+        with open(log, "a") as calls:
+            calls.write(watched[frame.f_code] + "\\n")
 sys.setprofile(profile)
 try:
     main(sys.argv[2:])
 finally:
     sys.setprofile(None)
-    with open(sys.argv[1], "w") as out:
-        json.dump(calls, out)
+    with open(log) as calls, open(sys.argv[1], "w") as out:
+        json.dump(collections.Counter(calls.read().split()), out)
 """
 WATCHED = ("inputs.plan_input", "inputs.scan_jsonl", "fingerprint.checkpoint_identity")
 

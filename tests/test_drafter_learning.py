@@ -188,7 +188,7 @@ def test_offcorpus_prompts_are_many_distinct_and_fixed():
     assert len({r["kind"] for r in rows}) == len(prompts.KINDS) >= 8
     assert prompts.offcorpus_prompts(10, skip=4990) == rows[4990:]
     assert rows[:3] == [prompts.draw(prompts.SEED, i) for i in range(3)]
-    from spot_factory.corpus import examples
+    from spot_common.corpus import examples
 
     stream = examples(0, "train")
     corpus = {next(stream).prompt for _ in range(5000)}

@@ -192,6 +192,7 @@ def test_a_job_whose_every_forward_fails_stops_naming_the_error(made):
     assert run["status"] == "failed" and run["error"] == first.removeprefix("[lifecycle] failed: ")
 
 
+@pytest.mark.e2e
 def test_a_shared_system_prompt_gives_the_same_rows_with_and_without_the_cache(made):
     """Rows behind a long system prompt, with the prefix cache (the default) and without:
     the same completions, forwards and steps; with it the prompt's blocks are reused and
