@@ -32,9 +32,29 @@ def main() -> None:
     args = p.parse_args()
     torch.set_grad_enabled(False)
     model, _ = load_order_model(args.drafter, "spot")
-    config = model.config
     _, held = Trajectories.load(args.trajectories).split(args.heldout)
-    samples = build_samples(held, config)
+    samples, depth, rank, hits = by_depth(model, held)
+    rule, fresh, root, has_root = hits
+    print(f"{args.trajectories}, held-out {args.heldout:.0%} of blocks")
+    print()
+    print("| depth | samples | rule's guess | order model | root evaluation reused |")
+    print("|---|---|---|---|---|")
+    for j in range(1, model.config.max_lookahead + 1):
+        m = (depth == j) & has_root
+        print(
+            f"| {j} | {int(m.sum())} | {rule[m].mean():.3f} | {fresh[m].mean():.3f} | "
+            f"{root[m].mean():.3f} |"
+        )
+    print()
+    by_confidence(samples, model.config, depth == 1, rank, rule, fresh)
+
+
+def by_depth(model, traj: Trajectories):
+    """Samples at every depth of `traj`, their depths and confidence ranks, and per sample
+    whether the next commit is the rule's guess, the order model's evaluated there, and the
+    root's evaluation reused there (with whether the sample's root is among the samples)."""
+    config = model.config
+    samples = build_samples(traj, config)
     depth = (samples.features[:, 0, -1] * config.max_lookahead).round().long()
     logits = torch.cat(
         [
@@ -52,18 +72,7 @@ def main() -> None:
         return samples.label.gather(1, pick[:, None]).squeeze(1).float()
 
     rule, fresh, root = hits(rank.argmin(-1)), hits(logits.argmax(-1)), hits(reused.argmax(-1))
-    print(f"{args.trajectories}, held-out {args.heldout:.0%} of blocks")
-    print()
-    print("| depth | samples | rule's guess | order model | root evaluation reused |")
-    print("|---|---|---|---|---|")
-    for j in range(1, config.max_lookahead + 1):
-        m = (depth == j) & has_root
-        print(
-            f"| {j} | {int(m.sum())} | {rule[m].mean():.3f} | {fresh[m].mean():.3f} | "
-            f"{root[m].mean():.3f} |"
-        )
-    print()
-    by_confidence(samples, config, depth == 1, rank, rule, fresh)
+    return samples, depth, rank, (rule, fresh, root, has_root)
 
 
 def by_confidence(samples, config, rows, rank, rule, model) -> None:

@@ -36,6 +36,8 @@ from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.order_model import OrderModel, OrderModelConfig
 from spot.drafters.registry import acceptance_curve, load_drafter
+from spot.drafters.replay import STOPS
+from spot.drafters.replay import walk_stop as replay_walk_stop
 from spot.drafters.spot import SpotDrafter
 from spot.drafting import Drafter
 from spot.models.loading import DTYPES
@@ -86,34 +88,15 @@ class OrderOracle(Drafter):
         return trees
 
 
-STOPS = ("no draft", "budget", "order", "token", "end")
-
-
 def walk_stop(
     tree: DraftTree, path: list[int], target_commits: torch.Tensor, ended: bool, mask_id: int
 ) -> str:
-    """Why a verification walk stopped at its last accepted node: the tree was the root alone
-    (no stale logits for this block yet), the node was a leaf (budget), no child commits the
-    positions the target committed (order), one does but with other tokens (token), or the
-    target's transition from it ended the request (end: nothing was left to draft).
-    target_commits: [B] the positions the target committed from that node; ended: that
-    transition completed the request."""
-    if len(tree.nodes) == 1:
-        return "no draft"
-    if ended:
+    """Why a verification walk stopped at its last accepted node (`replay.walk_stop`), or
+    "end": the target's transition from it completed the request (nothing was left to
+    draft). target_commits: [B] the positions the target committed from that node."""
+    if ended and len(tree.nodes) > 1:
         return "end"
-    last = tree.nodes[path[-1]]
-    children = tree.children(path[-1])
-    if not children:
-        return "budget"
-    b = target_commits.numel()
-    width = last.span.numel()
-    masked = last.block(b) == mask_id
-    for c in children:
-        drafted = tree.nodes[c].span[width - b : width] != mask_id
-        if torch.equal(masked & drafted, target_commits):
-            return "token"
-    return "order"
+    return replay_walk_stop(tree, path[-1], target_commits, mask_id)
 
 
 @dataclass

@@ -73,9 +73,11 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 
     notes = or_exit(f"invalid job {job_file}:", lambda: check_output(job, plan))
     duplicates = plan.duplicate_ids.num_rows
+    learning = " (learning from it)" if job.drafter.learn else ""
     click.echo(
         f"ok: {job.name}: {plan.num_rows} rows in {len(plan.files)} file(s), "
-        f"{duplicates} duplicated id(s), model {job.model.path}, drafter {job.drafter_label()}, "
+        f"{duplicates} duplicated id(s), model {job.model.path}, drafter "
+        f"{job.drafter_label()}{learning}, "
         f"output {job.output.path}"
     )
     if plan.unreadable:

@@ -34,12 +34,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pipeline.job import ERROR_WINDOW
 from spot.config import DecodingConfig
-from spot.decode import Drafter, Request, Result, stream
+from spot.decode import Drafter, Request, Result, Trace, stream
 from spot.target import PrefixStore, Target
 
 MIN_ROWS_RATED = 8  # rows the window must hold before the rate can stop the job
@@ -102,6 +103,24 @@ class Pending:
         return self.call.resolved[self.position]
 
 
+class RecordingTrace(Trace, Protocol):
+    """A stream's trace that records rows: the noise key of each of its request indices."""
+
+    keys: dict[int, int]
+
+
+class Recording(Protocol):
+    """What records a replica's rows (`pipeline.learning.RowRecording`)."""
+
+    def recorder(self) -> RecordingTrace | None:
+        """A trace for the next stream (None: recording nothing)."""
+        ...
+
+    def finished(self, trace: RecordingTrace, key: int) -> None:
+        """The request with this noise key finished in the stream `trace` records."""
+        ...
+
+
 @dataclass(frozen=True)
 class _Rated:
     """A finished row, as the error rate counts it."""
@@ -123,7 +142,10 @@ class Decoder:
         prefix_cache: PrefixStore | None = None,
         max_error_rate: float = 1.0,
         log: Callable[[str], None] | None = None,
+        recording: Recording | None = None,
     ):
+        """recording: records the rows each stream finishes (a job that learns its drafter;
+        the trace of the forwards the loop takes, no forward of its own)."""
         self.target = target
         self.config = config
         self.drafter = drafter
@@ -131,6 +153,8 @@ class Decoder:
         self.prefix_cache = prefix_cache
         self.max_error_rate = max_error_rate
         self.log = log or _stderr
+        self.recording = recording
+        self._trace: RecordingTrace | None = None  # the current stream's
         self.failures: Counter[str] = Counter()  # failed batches by their error's first line
         self.on_failure: Callable[[str], None] | None = None
         self._cond = threading.Condition()
@@ -209,10 +233,14 @@ class Decoder:
         """One stream over the queue, until the queue ends (a drain) or a forward fails."""
         with self._cond:
             self._in_flight, self._taken = {}, 0
+        # a failed stream's records are dropped with it: its requests decode again
+        trace = self._trace = None if self.recording is None else self.recording.recorder()
         try:
-            for index, result in self._decode(self._source(), self.max_active):
+            for index, result in self._decode(self._source(), self.max_active, trace):
                 with self._cond:
                     pending = self._in_flight.pop(index)
+                if trace is not None:
+                    self.recording.finished(trace, pending.request.key)
                 self._resolve(pending, result)
                 if self._stopped():
                     return
@@ -222,12 +250,15 @@ class Decoder:
                 self._in_flight = {}
             self._failed(error, suspects)
 
-    def _decode(self, requests, max_active: int) -> Iterator[tuple[int, Result]]:
+    def _decode(
+        self, requests, max_active: int, trace: Trace | None = None
+    ) -> Iterator[tuple[int, Result]]:
         return stream(
             self.target,
             requests,
             self.config,
             self.drafter,
+            trace,
             max_active=max_active,
             prefix_cache=self.prefix_cache,
         )
@@ -244,6 +275,8 @@ class Decoder:
                 pending = self._waiting.popleft() if self._waiting else None
                 if pending is not None:
                     self._in_flight[self._taken] = pending
+                    if self._trace is not None:
+                        self._trace.keys[self._taken] = pending.request.key
                     self._taken += 1
             yield None if pending is None else pending.request
 

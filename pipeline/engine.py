@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from pipeline.decoder import Call, Decoder, Pending
+from pipeline.decoder import Call, Decoder, Pending, Recording
 from pipeline.job import AUTO_PREFIX_CACHE_BYTES, InputConfig, Job
 from pipeline.prompts import PromptError, cut_at_stop, find_stop, prompt_ids, prompt_text
 from pipeline.schema import (
@@ -38,11 +38,14 @@ from pipeline.schema import (
     SAMPLE_INDEX,
 )
 from spot import noise
-from spot.budget import AutoBudget
+from spot.budget import AcceptanceCurve, AutoBudget, ForwardCost
 from spot.decode import Drafter, Request, Result
+from spot.drafting import DrafterSlot
 from spot.models.prefix_cache import PrefixCache
 from spot.target import Target
 from spot.tree import Layout
+
+DrafterLoader = Callable[[int | None], tuple[Drafter, AcceptanceCurve]]
 
 
 def load_tokenizer(job: Job, directory: Path | None = None) -> Any:
@@ -88,18 +91,25 @@ def build_drafter(job: Job, target: Target) -> Drafter | None:
     path = job.drafter_path()
     if path is None:
         return None
-    from spot.budget import measure_forward_cost
     from spot.drafters.registry import acceptance_curve, load_drafter
 
     if job.drafter.budget != "auto":
         return load_drafter(job.drafter.kind, path, job.drafter.budget, target)
     curve = acceptance_curve(job.drafter.kind, path)
     largest = max(curve.budgets)
+    cost = forward_cost(job, target, largest)
+    return AutoBudget(load_drafter(job.drafter.kind, path, largest, target), curve, cost)
+
+
+def forward_cost(job: Job, target: Target, largest: int) -> ForwardCost:
+    """This target's forward cost on this machine, at the widths `budget: auto` weighs for
+    budgets up to `largest`."""
+    from spot.budget import measure_forward_cost
+
     batch = job.resources.batch_size
     block = job.decoding.block_length
     states = sorted({1, 2, 4, 8, 16, 32, batch, batch * (largest + 1)})
-    cost = measure_forward_cost(target, block, 4 * block, states)
-    return AutoBudget(load_drafter(job.drafter.kind, path, largest, target), curve, cost)
+    return measure_forward_cost(target, block, 4 * block, states)
 
 
 def tokenize_rows(tokenizer: Any, config: InputConfig, batch: pa.Table) -> pa.Table:
@@ -178,8 +188,19 @@ class Engine:
         self.job = job
         self.config = job.decoding_config()
         self.tokenizer, self.target = load_model(job)
-        self.drafter = build_drafter(job, self.target)
+        self.drafter: Drafter | None = build_drafter(job, self.target)
         self.drafter_label = job.drafter_label()
+        self._autos = [self.drafter] if isinstance(self.drafter, AutoBudget) else []
+        self._cost: ForwardCost | None = None  # measured once, for every drafter handed over
+        if job.drafter.learn:  # drafters are handed over while it decodes (`use_drafter`)
+            self.drafter = DrafterSlot(self.drafter)
+            if self._autos:
+                self._cost = self._autos[0].cost
+            elif job.drafter.budget == "auto":  # here: the loop will be using the target
+                largest = max(job.drafter.learning.learner_config().budgets)
+                self._cost = forward_cost(job, self.target, largest)
+        # records the rows it decodes, for a job that learns its drafter (pipeline.learning)
+        self.recording: Recording | None = None
         self.eos_ids = torch.tensor(self.target.eos_ids)
         self.prefix_cache = make_prefix_cache(job, self.target)
         # sees (call name, its rows, errors, generated tokens, forwards so far) every
@@ -273,6 +294,7 @@ class Engine:
                 max_active=self.job.resources.batch_size,
                 prefix_cache=self.prefix_cache,
                 max_error_rate=self.job.resources.max_error_rate,
+                recording=self.recording,
             )
             self._decoder.on_failure = self.on_failure
         return self._decoder
@@ -295,13 +317,33 @@ class Engine:
         for call in changed:
             self.on_progress(call.name, tuple(call.counts))
 
+    def use_drafter(self, kind: str | None, load: DrafterLoader, label: str) -> None:
+        """Hand a new drafter to the decode loop, which takes it at its next iteration (a
+        job that learns its drafter; tokens stay the target's own, `DrafterSlot`). `load`
+        gives it for a budget (None: its curve's largest) with its acceptance curve; with
+        budget auto it is wrapped anew for its own curve, with the forward cost measured
+        once (a new drafter changes the steps a budget brings, not what a forward costs)."""
+        if not isinstance(self.drafter, DrafterSlot):
+            raise ValueError("this engine's drafter is fixed (drafter.learn: false)")
+        drafter = None
+        if kind is not None:
+            budget = self.job.drafter.budget
+            drafter, curve = load(None if budget == "auto" else budget)
+            if budget == "auto":
+                drafter = AutoBudget(drafter, curve, self._cost)
+                with self._progress_lock:
+                    self._autos.append(drafter)
+        self.drafter.put(drafter)
+        self.drafter_label = label
+
     def budget_iterations(self) -> list[dict[str, int]] | None:
         """With budget auto, the iterations it ran at each budget since the last call asked
-        (each call takes those of its time, so the column sums to the job's)."""
-        if not isinstance(self.drafter, AutoBudget):
+        (each call takes those of its time, so the column sums to the job's; with drafters
+        handed over, those of every one of them)."""
+        if self.job.drafter.budget != "auto" or not self._autos:
             return None
         with self._progress_lock:
-            now = Counter(self.drafter.timed)
+            now = sum((Counter(auto.timed) for auto in self._autos), Counter())
             ran, self._budget_seen = now - self._budget_seen, now
         return _budget_iterations(ran)
 
@@ -399,6 +441,7 @@ class RowsInFlight:
         columns["prompt_tokens_computed"][i] = stats.prompt_tokens_computed
         columns["prefill_seconds"][i] = stats.prefill_seconds
         columns["finish_reason"][i] = result.finish_reason
+        columns["drafter"][i] = self.engine.drafter_label  # the one in use when it finished
         self.counts[2] += len(completion_ids)
         self.counts[3] += stats.nfe
 

@@ -34,6 +34,7 @@ from pipeline.job import Job, JobError, checkpoint_family
 from pipeline.lease import check_lease
 from pipeline.output import (
     DATA_DIR,
+    DRAFTER_DIR,
     REPORT_DIR,
     RUNS_DIR,
     SUMMARY_FILE,
@@ -183,10 +184,19 @@ def read_fingerprint(output: OutputDir) -> dict[str, Any] | None:
 
 
 def clear_output(output: OutputDir) -> None:
-    """Delete what a job wrote to `output` (rows, summary, report, fingerprint, the input's
-    record and the markers of runs), not logs."""
+    """Delete what a job wrote to `output` (rows, summary, report, learned drafters,
+    fingerprint, the input's record and the markers of runs), not logs."""
     filesystem = output.filesystem
-    for name in (DATA_DIR, REPORT_DIR, SUMMARY_FILE, FINGERPRINT_FILE, INPUT_FILE, RUNS_DIR):
+    names = (
+        DATA_DIR,
+        REPORT_DIR,
+        DRAFTER_DIR,
+        SUMMARY_FILE,
+        FINGERPRINT_FILE,
+        INPUT_FILE,
+        RUNS_DIR,
+    )
+    for name in names:
         path = posixpath.join(output.root, name)
         kind = filesystem.get_file_info(path).type
         if kind == pafs.FileType.Directory:
@@ -217,6 +227,9 @@ def _contents(output: OutputDir) -> str | None:
     report = filesystem.get_file_info(posixpath.join(output.root, REPORT_DIR))
     if report.type == pafs.FileType.Directory:
         found.append(f"{REPORT_DIR}/")
+    learned = filesystem.get_file_info(posixpath.join(output.root, DRAFTER_DIR))
+    if learned.type == pafs.FileType.Directory:
+        found.append(f"{DRAFTER_DIR}/")
     if filesystem.get_file_info(_path(output)).type == pafs.FileType.File:
         found.append(FINGERPRINT_FILE)
     return ", ".join(found) or None

@@ -141,6 +141,80 @@ class ModelConfig(_Section):
         return value
 
 
+class LearningConfig(_Section):
+    """How a job that learns its drafter learns it (`drafter.learn`). A key left out takes
+    the learner's own default (`spot.drafters.learning.LearnerConfig`, docs/benchmarks.md
+    §5.3-5.4), which this section names rather than repeats."""
+
+    heldout_percent: int | None = Field(
+        None,
+        ge=0,
+        le=99,
+        description="Rows (chosen by request key) kept out of training: every new drafter is "
+        "measured on them, by replaying their recorded decoding (no target forward).",
+    )
+    validation_percent: int | None = Field(
+        None, ge=0, le=99, description="Rows that pick SPOT's epoch and tree shape."
+    )
+    spiffy_rows: int | None = Field(
+        None, ge=1, description="Rows decoded before Spiffy's first calibration."
+    )
+    spot_rows: tuple[int, ...] | None = Field(
+        None,
+        min_length=1,
+        description="Rows decoded at each SPOT round (increasing): the first when the order "
+        "model starts to pay, then each time the rows double.",
+    )
+    min_spot_rounds: int | None = Field(
+        None, ge=1, description="SPOT rounds before the gain may stop learning."
+    )
+    min_gain: float | None = Field(
+        None,
+        ge=0.0,
+        description="Learning stops once a SPOT round gained so little over the last one "
+        "(held-out steps per forward) that the next, worth about half as much, would gain "
+        "less than this.",
+    )
+    epochs: int | None = Field(None, ge=1, description="Epochs of the first SPOT round.")
+    warm_epochs: int | None = Field(
+        None, ge=1, description="Epochs of later rounds, which start from the last model."
+    )
+    batch_size: int | None = Field(None, ge=1, description="Training batch size.")
+    budgets: tuple[int, ...] | None = Field(
+        None, min_length=1, description="Budgets whose held-out steps per forward are reported."
+    )
+    decision_budget: int | None = Field(
+        None,
+        ge=1,
+        description="The budget a new drafter must take fewer forwards at (held out) than "
+        "the one in use to be handed out; one of budgets.",
+    )
+    replay_rows: int | None = Field(
+        None, ge=1, description="Held-out rows replayed to measure each drafter."
+    )
+    num_cpus: float = Field(
+        1.0,
+        gt=0.0,
+        description="CPUs of the learner (one Ray actor beside the replicas); it trains and "
+        "measures there.",
+    )
+
+    @field_validator("spot_rows")
+    @classmethod
+    def _increasing(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and (value[0] < 1 or any(b <= a for a, b in zip(value, value[1:]))):
+            raise ValueError("must be positive and increasing")
+        return value
+
+    def learner_config(self) -> Any:
+        """The learner's `LearnerConfig`: the keys given, its defaults for the rest (imports
+        the learner, and torch: call it where it runs, or to check the section)."""
+        from spot.drafters.learning import LearnerConfig
+
+        given = self.model_dump(exclude={"num_cpus"}, exclude_none=True)
+        return LearnerConfig(**given)
+
+
 class DrafterConfig(_Section):
     kind: Literal[("none", *DRAFTERS)] = Field(
         "none",
@@ -167,6 +241,19 @@ class DrafterConfig(_Section):
         "meets the one it replaced once more); they are met again every 256 iterations. A "
         "number forces that budget.",
     )
+
+    learn: bool = Field(
+        False,
+        description="Learn the drafter from the job's own rows while it runs (kind spot, "
+        "static rule): the replicas record each row's decoding as they go (no extra target "
+        "forward) for one learner, which calibrates Spiffy as soon as it has "
+        "learning.spiffy_rows rows, then trains SPOT in rounds as the rows double, and hands "
+        "each drafter that takes fewer forwards on held-out rows to every replica without "
+        "restarting it; it stops when a round no longer pays. Starts from drafter.path "
+        "(draft-free when left out); writes each drafter and rounds.json under "
+        "<output.path>/drafter/, and a resubmit starts from the last one handed out.",
+    )
+    learning: LearningConfig = LearningConfig()
 
     @field_validator("budget")
     @classmethod
@@ -377,6 +464,35 @@ class Job(_Section):
         return self
 
     @model_validator(mode="after")
+    def _learning_fits(self) -> Job:
+        """A learning job learns Spiffy, then SPOT: drafters of the static rule, one commit
+        per step. Under the threshold rules it is refused (SPOT-Sets and Spiffy for them are
+        made before the job, with the drafter commands)."""
+        drafter = self.drafter
+        if not drafter.learn:
+            if drafter.learning != LearningConfig():
+                raise ValueError("drafter.learning: set only with drafter.learn: true")
+            return self
+        if drafter.kind != "spot":
+            raise ValueError(
+                f"drafter.learn: learns a spot drafter (Spiffy first, then SPOT); set "
+                f"drafter.kind: spot, not {drafter.kind}"
+            )
+        if self.decoding.rule != CommitRule.STATIC or self.decoding.tokens_per_step != 1:
+            raise ValueError(
+                "drafter.learn: the learner makes Spiffy and SPOT drafters, which draft for "
+                "the static rule with tokens_per_step: 1, not decoding.rule "
+                f"{self.decoding.rule.value!r} with tokens_per_step "
+                f"{self.decoding.tokens_per_step}; for the threshold rules train spot-sets or "
+                "calibrate spiffy before the job (README) and set drafter.learn: false"
+            )
+        try:
+            drafter.learning.learner_config()
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"drafter.learning: {error}") from error
+        return self
+
+    @model_validator(mode="after")
     def _drafter_fits_rule(self) -> Job:
         """The rules a kind drafts for are its drafter class's (read through the registry)."""
         if self.drafter.kind == "none":
@@ -405,6 +521,8 @@ class Job(_Section):
             return None
         if self.drafter.path is not None:
             return self.drafter.path.resolved
+        if self.drafter.learn:  # learns its own from draft-free decoding
+            return None
         if self.model.path.kind != Kind.BUILTIN:
             raise ValueError("required unless the target is bundled (builtin:<name>)")
         return str(
@@ -418,7 +536,7 @@ class Job(_Section):
 
     def drafter_label(self) -> str:
         """How the output's `drafter` column names the drafter."""
-        if self.drafter.kind == "none":
+        if self.drafter.kind == "none" or (self.drafter.learn and self.drafter.path is None):
             return "none"
         path = self.drafter.path
         return f"{self.drafter.kind}:{'bundled' if path is None else path.text}"
@@ -585,6 +703,11 @@ def check_paths(job: Job) -> None:
         problems += _family_problems(job.model.family, model_dir)
         problems += _prefix_cache_problems(job, model_dir)
     problems += _output_problems(job.output.path)
+    if job.drafter.learn and not job.output.path.is_local:
+        problems.append(
+            "drafter.learn: learned drafters are written under output.path, which must be a "
+            f"folder the learner can write (local or shared), not {job.output.path.text!r}"
+        )
     problems += _gpu_problems(job)
     if problems:
         raise JobError(problems)

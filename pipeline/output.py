@@ -41,6 +41,7 @@ DATA_DIR = "data"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
 RUNS_DIR = "runs"
+DRAFTER_DIR = "drafter"  # a job that learns its drafter writes it here (pipeline.learning)
 PARTIAL_SUFFIX = ".partial"
 RUN_KEY = b"spot_pipeline.run"  # a part's Parquet metadata: the id of the run that wrote it
 KEYS = [ID, SAMPLE_INDEX]

@@ -53,6 +53,7 @@ def build_processor(
     duplicate_ids: pa.Table | None = None,
     progress: ray.actor.ActorHandle | None = None,
     control: ray.actor.ActorHandle | None = None,
+    learner: ray.actor.ActorHandle | None = None,
     replica: type = GenerationActor,
 ) -> Processor:
     """The job's generation, dataset in, dataset out (see the module docstring).
@@ -66,6 +67,8 @@ def build_processor(
     progress: a `pipeline.progress.ProgressCounter` the replicas report to.
     control: a `pipeline.control.RunControl` that drains the replicas on a signal and
       counts their batch failures.
+    learner: the job's `pipeline.learning.Learner` (drafter.learn): the replicas record
+      their rows for it and take the drafters it hands out.
     replica: the replica actor class (a `GenerationActor`).
     """
     block = rows_per_block(requests, job)
@@ -80,6 +83,8 @@ def build_processor(
             **text_stage(job),
         )
         replica_kwargs = {"job": job, "progress": progress, "control": control}
+        if learner is not None:
+            replica_kwargs["learner"] = learner
         dataset = on_replicas(dataset, job, replica, replica_kwargs, block)
         return dataset.map_batches(
             DetokenizeStage,

@@ -151,7 +151,61 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 def drafter_text(drafter: dict[str, Any]) -> str:
     if drafter["kind"] == "none":
         return "none (draft-free)"
+    if drafter.get("learn"):
+        start = drafter.get("path") or "draft-free"
+        return f"{drafter['kind']} learned in the job (from {start}), budget {drafter['budget']}"
     return f"{drafter['kind']} {drafter.get('path') or '(bundled)'}, budget {drafter['budget']}"
+
+
+ROUND_HEADER = [
+    "round",
+    "kind",
+    "rows used",
+    "held-out steps/forward before -> after",
+    "seconds",
+    "adopted",
+]
+
+
+def learning_rounds(summary: dict[str, Any]) -> list[list[Any]]:
+    """A learning job's rounds (summary.json's drafter_learning): rows used (train /
+    validation / held out), held-out steps per forward of the drafter in use and of the
+    new one at each budget, seconds learning and measuring, adopted or not."""
+    learning = summary.get("drafter_learning") or {}
+    rows = []
+    for r in learning.get("rounds", []):
+        before, after = r["steps_per_forward_before"], r["steps_per_forward_after"]
+        slices = r["rows_by_slice"]
+        rows.append(
+            [
+                r["round"],
+                r["kind"],
+                f"{r['rows']} ({slices['train']} / {slices['validation']} / {slices['heldout']})",
+                ", ".join(
+                    f"budget {b}: {before[b]:.3f} -> {after[b]:.3f}" for b in sorted(after, key=int)
+                ),
+                number(r["seconds"], 1),
+                "yes" if r["adopted"] else "no",
+            ]
+        )
+    return rows
+
+
+def learning_lines(summary: dict[str, Any]) -> list[str]:
+    """What the learner did, in lines (none for a job that did not learn)."""
+    learning = summary.get("drafter_learning")
+    if not learning:
+        return []
+    current = learning.get("current")
+    lines = [
+        f"{learning['rows_received']:,} rows recorded ({learning['recording_seconds']:.1f} "
+        f"replica-seconds), {learning['rows']:,} taken; "
+        f"{'stopped' if learning['stopped'] else 'learning on at the next run'}; in use: "
+        f"{'none' if current is None else current.get('file') or current['path']}"
+    ]
+    if learning.get("error"):
+        lines.append(f"learning failed: {learning['error']}")
+    return lines
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
@@ -638,6 +692,20 @@ def _clip(text: Any, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + " …"
 
 
+def _learning_section(summary: dict[str, Any]) -> str:
+    """A learning job's rounds (none for a job that did not learn)."""
+    if not summary.get("drafter_learning"):
+        return ""
+    lines = "".join(f"<p>{html.escape(line)}</p>" for line in learning_lines(summary))
+    return (
+        f"<h2>Drafter learning</h2>{lines}"
+        + _table(ROUND_HEADER, learning_rounds(summary))
+        + "<p class=note>Rows used: train / validation / held out. Steps per forward are "
+        "replayed on the held-out rows' recorded decoding, for the drafter in use before "
+        "the round and for the round's drafter.</p>"
+    )
+
+
 def _runs_section(runs: list[dict[str, Any]]) -> str:
     rows = [
         [
@@ -809,6 +877,7 @@ def write_html(
         + "".join(f"<li>{html.escape(line)}</li>" for line in budgets)
         + "</ul>"
     )
+    sections.append(_learning_section(summary))
     sections.append(_runs_section(runs))
     sections.append(_batch_failures_section(runs))
     sections.append(_errors_section(summary, examples))
@@ -857,6 +926,13 @@ def make_report(output_path: str) -> tuple[str, Path]:
     lines += [f"  {reason}: {n} ({share})" for reason, n, share in finish_rows(summary)]
     lines.append("tree budget:")
     lines += [f"  {line}" for line in budget_lines(summary, classes)]
+    if summary.get("drafter_learning"):
+        lines.append("drafter learning:")
+        lines += [f"  {line}" for line in learning_lines(summary)]
+        lines += [
+            f"  {r[0]}. {r[1]}, {r[2]} rows: {r[3]}; {r[4]} s, adopted {r[5]}"
+            for r in learning_rounds(summary)
+        ]
     lines.append("runs:")
     for i, run in enumerate(summary["runs"]):
         error = f": {run_error(run)}" if run.get("error") else ""

@@ -34,6 +34,7 @@ from pipeline.control import RunControl, RunInterrupted, SignalStop
 from pipeline.fingerprint import claim_output
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
+from pipeline.learning import LEARNER_CLOSE_SECONDS, start_learner
 from pipeline.output import OutputDir, OutputWriteError, row_keys
 from pipeline.processor import build_processor
 from pipeline.progress import ProgressPrinter
@@ -117,6 +118,8 @@ def ray_session(job: Job, address: str | None) -> Iterator[None]:
     # machine, the driver included.
     os.environ.setdefault("RAY_worker_niceness", "0")
     replica_cpus = math.ceil(job.resources.replicas * job.resources.num_cpus)
+    if job.drafter.learn:  # the learner's, beside them
+        replica_cpus += math.ceil(job.drafter.learning.num_cpus)
     with embedded_ray(num_cpus=max(4, replica_cpus + 2)):
         yield
 
@@ -224,6 +227,7 @@ def _execute(
     context.enable_progress_bars = False
     context.print_on_execution_start = False
     control = RunControl.remote()
+    learner = start_learner(run.job) if run.job.drafter.learn else None
     process = build_processor(
         run.job,
         requests=pending,
@@ -231,6 +235,7 @@ def _execute(
         duplicate_ids=run.plan.duplicate_ids,
         progress=counter,
         control=control,
+        learner=learner,
         replica=actor_class,
     )
     try:
@@ -241,6 +246,11 @@ def _execute(
         with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             report["batch_failures"] = ray.get(control.batch_failures.remote(), timeout=10)
         ray.kill(control)
+        if learner is not None:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                wait = LEARNER_CLOSE_SECONDS
+                report["drafter_learning"] = ray.get(learner.close.remote(wait), timeout=wait + 30)
+            ray.kill(learner)
 
 
 def _interruption(
@@ -304,7 +314,7 @@ def _run_record(
         "prefill_seconds": written.get("prefill_seconds", 0.0),
         "batch_failures": report.get("batch_failures", {"count": 0, "by_error": {}}),
         "progress": samples,
-    }
+    } | ({"drafter_learning": report["drafter_learning"]} if "drafter_learning" in report else {})
 
 
 def submit_to_cluster(

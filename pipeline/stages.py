@@ -256,7 +256,10 @@ class GenerationActor:
         job: Job,
         progress: ray.actor.ActorHandle | None = None,
         control: ray.actor.ActorHandle | None = None,
+        learner: ray.actor.ActorHandle | None = None,
     ):
+        """learner: the job's `pipeline.learning.Learner`, when it learns its drafter: the
+        replica records its rows for it and takes each drafter it hands out."""
         started = time.perf_counter()
         import torch
 
@@ -265,6 +268,12 @@ class GenerationActor:
 
         torch.set_num_threads(max(1, round(job.resources.num_cpus)))
         self.engine = Engine(job)
+        self.recording = None
+        if learner is not None:
+            from pipeline.learning import DrafterWatch, RowRecording
+
+            self.recording = self.engine.recording = RowRecording(learner, self.engine)
+            self.watch = DrafterWatch(learner, self.recording, self._use)
         self.progress = progress
         if progress is not None:
             self.engine.on_progress = lambda call, counts: progress.report.remote(call, counts)
@@ -276,12 +285,18 @@ class GenerationActor:
         name = first_key(batch)
         rows = self.engine.submit_rows(batch, name)
         await asyncio.wrap_future(rows.call.done)
+        if self.recording is not None:
+            self.recording.send()
         out = rows.table()
         if self.progress is not None:  # the block's rows as written replace its counts
             self.progress.report.remote(name, table_counts(out))
         if self.control is not None:
             await self.control.returned(out.num_rows)
         return out
+
+    def _use(self, handout: Any) -> None:
+        """A drafter the learner handed out (`pipeline.learning.Handout`), to the engine."""
+        self.engine.use_drafter(handout.kind, handout.load, handout.label)
 
 
 def _total(table: pa.Table, column: str) -> int:

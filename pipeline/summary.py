@@ -263,7 +263,14 @@ def build_summary(job: Job, counted: dict[str, Any], runs: list[dict[str, Any]])
         "cost_usd": cost,
         "usd_per_million_tokens": cost / tokens * 1e6 if tokens else None,
         "runs": runs,
-    }
+    } | _drafter_learning(runs)
+
+
+def _drafter_learning(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A learning job's rounds, every run's (the newest run that learned holds them all:
+    each run starts from the rounds before it, pipeline.learning)."""
+    learned = [run["drafter_learning"] for run in runs if run.get("drafter_learning")]
+    return {"drafter_learning": learned[-1]} if learned else {}
 
 
 LOST = (

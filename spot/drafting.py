@@ -7,6 +7,7 @@ Drafters import this module, not the decode loop; the loop knows drafters only t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -156,3 +157,59 @@ class BudgetedDrafter(Drafter):
         self, inputs: Sequence[DraftInput], noise: StepNoise, batch_size: int
     ) -> list[DraftTree]:
         return self.draft(inputs, noise, self.budget)
+
+
+class DrafterSlot(Drafter):
+    """The drafter a decode loop holds while the drafter itself may be replaced (a job that
+    learns its drafter hands each new one to its replicas): `put` from any thread; the loop
+    takes the new one at its next `propose`, so a swap falls between two iterations.
+
+    Lossless whatever it holds (docs/design.md §1.6): a drafter only proposes states, the
+    commit rule gives every scored state's exact successor with the run's coupled noise (a
+    function of the seed, the request key and the step, not of the drafter), and the walk
+    accepts a proposed state only where it equals that successor. A request decoded partly
+    with one drafter and partly with another (or none: an empty slot proposes the root
+    alone) has the target's own tokens."""
+
+    def __init__(self, drafter: Drafter | None = None, needs_hidden: bool = False):
+        """needs_hidden: whether any drafter it will hold reads hidden states (the loop asks
+        for them once, when it starts)."""
+        self.needs_hidden = needs_hidden or bool(drafter and drafter.needs_hidden)
+        self._lock = threading.Lock()
+        self._next: Drafter | None = drafter
+        self._replaced = True
+        self._taken = 0  # drafters the loop has taken, the first one included
+        self.current: Drafter | None = None  # the drafter of the last proposal
+
+    def put(self, drafter: Drafter | None) -> None:
+        """Hand over a drafter (None: draft-free from the next iteration)."""
+        if drafter is not None and drafter.needs_hidden and not self.needs_hidden:
+            raise ValueError("this slot was made for drafters that read no hidden states")
+        with self._lock:
+            self._next, self._replaced = drafter, True
+
+    @property
+    def swaps(self) -> int:
+        """Drafters the loop took after its first."""
+        return max(0, self._taken - 1)
+
+    @property
+    def latest(self) -> Drafter | None:
+        """The drafter the next proposal uses."""
+        with self._lock:
+            return self._next if self._replaced else self.current
+
+    def propose(
+        self, inputs: Sequence[DraftInput], noise: StepNoise, batch_size: int
+    ) -> list[DraftTree]:
+        with self._lock:
+            if self._replaced:
+                self.current, self._replaced = self._next, False
+                self._taken += 1
+        if self.current is None:
+            return [DraftTree.single(inp.root) for inp in inputs]
+        return self.current.propose(inputs, noise, batch_size)
+
+    def observe_forward(self, seconds: float, steps: float) -> None:
+        if self.current is not None:
+            self.current.observe_forward(seconds, steps)

@@ -189,6 +189,67 @@ def test_a_lost_worker_node_stops_or_finishes_and_a_resubmit_completes(cluster, 
     assert parts_at_kill < parts
 
 
+def test_a_replica_killed_while_a_learned_drafter_is_handed_out_recovers(cluster, inputs, tmp_path):
+    """A job that learns its drafter (one learner actor, drafters through the object store):
+    the worker's replica is killed as the learner's first drafter is handed out. It is
+    restarted, takes the drafter in use from the learner, and the job completes, every row
+    once with the tokens of draft-free decoding in this process."""
+    import json
+
+    from pipeline.engine import Engine
+    from pipeline.job import parse_job
+    from pipeline.schema import ROW_ERROR, SAMPLE_INDEX
+
+    root, _, prompts = inputs
+    output = root / "learning"
+    job = job_dict(prompts, "builtin:sdar-nano", output, decoding=DECODING, resources=RESOURCES)
+    table = pq.read_table(prompts)
+    table = table.append_column(SAMPLE_INDEX, pa.array([0] * ROWS, pa.int64()))
+    table = table.append_column(ROW_ERROR, pa.array([None] * ROWS, pa.string()))
+    out = Engine(parse_job(job)).process(table)
+    reference = dict(zip(out.column("id").to_pylist(), out.column("completion_token_ids")))
+    job["name"] = "learning"
+    job["drafter"] = {
+        "kind": "spot",
+        "learn": True,
+        "budget": 4,
+        "learning": {
+            "heldout_percent": 25,
+            "validation_percent": 25,
+            "spiffy_rows": 4,
+            "spot_rows": [16],
+            "epochs": 1,
+            "budgets": [4],
+            "decision_budget": 4,
+            "replay_rows": 4,
+            "num_cpus": 0.5,
+        },
+    }
+    path = root / "learning.yaml"
+    path.write_text(yaml.safe_dump(job))
+    nodes = {n["node_id"]: n for n in cluster.state("nodes")}
+    submission = Submission(cluster, path)
+    replicas = _replicas(cluster)
+    victim = next(a for a in replicas if nodes[a["node_id"]]["resources_total"].get("worker_node"))
+    rounds = output / "drafter" / "rounds.json"
+    deadline = time.monotonic() + 240
+    while not (rounds.is_file() and json.loads(rounds.read_text())["current"]):
+        assert submission.process.poll() is None, submission.log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "no drafter was handed out"
+        time.sleep(0.05)
+    os.kill(int(victim["pid"]), signal.SIGKILL)
+    learners = [a for a in cluster.state("actors") if a["class_name"] == "Learner"]
+    assert len(learners) == 1 and learners[0]["state"] == "ALIVE"
+
+    code, log = submission.wait()
+    assert code == 0, log[-4000:]
+    _check_output(output, {k: v.as_py() for k, v in reference.items()})
+    restarted = [a for a in cluster.state("actors") if a["actor_id"] == victim["actor_id"]]
+    assert restarted and int(restarted[0]["num_restarts"]) >= 1, restarted
+    labels = set(pq.read_table(output / "data", columns=["drafter"]).column(0).to_pylist())
+    assert labels - {"none"}, labels  # rows decoded with a learned drafter
+
+
 def test_the_cluster_leaves_nothing_behind(cluster):
     """No Ray process outlives its node, and no temporary folder is left in TMPDIR but the
     one of the head's dashboard (`pymp-*`, its multiprocessing forkserver's, which Ray's

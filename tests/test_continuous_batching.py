@@ -168,3 +168,38 @@ def test_a_stop_check_ends_a_request_after_its_block(sdar_tiny, static, kind):
         else:
             assert result.tokens.tolist() == unstopped.tokens.tolist()
             assert result.finish_reason == unstopped.finish_reason
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafters_swapped_between_iterations_change_no_token(sdar_tiny, static, temperature):
+    """A job that learns its drafter hands new ones to a running loop (`DrafterSlot`): taken
+    at the next iteration, whatever the requests' blocks and steps. Every request decoded
+    partly with one drafter, partly with others (draft-free, Spiffy, SPOT under auto
+    budgets, a drafter guessing at random) has a static batch's tokens."""
+    from spot.drafting import DrafterSlot
+    from tests.random_drafter import RandomDrafter
+
+    target, requests = sdar_tiny
+    config = DecodingConfig(gen_length=64, block_length=32, temperature=temperature)
+    expected = static(config)
+    drafters = [
+        None,
+        _drafter("spiffy", target, "static"),
+        RandomDrafter(seed=3),
+        _drafter("spot", target, "static"),
+    ]
+    slot = DrafterSlot()
+    walks = {"seen": 0}
+
+    def swap(index, tree, path):  # called within an iteration: the swap is at the next one
+        walks["seen"] += 1
+        if walks["seen"] % 5 == 0:
+            slot.put(drafters[walks["seen"] // 5 % len(drafters)])
+
+    results = generate(target, requests, config, slot, on_walk=swap, max_active=3)
+    assert slot.swaps >= 2 * len(drafters)
+    assert _tokens(results) == _tokens(expected)
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in expected]
+    assert sum(r.stats.nfe for r in results) < sum(r.stats.nfe for r in expected)
+    with pytest.raises(ValueError, match="hidden"):
+        slot.put(type("Reads", (RandomDrafter,), {"needs_hidden": True})())

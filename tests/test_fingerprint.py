@@ -87,8 +87,12 @@ def test_claiming_an_output(tmp_path: Path):
     with pytest.raises(ResumeRefused) as refused:
         claim_output(job, plan)
     assert "  decoding.temperature: 0.5 -> 0.0" in refused.value.problems
+    learned = Path(out.root, "drafter")  # a learning job's drafters go with its rows
+    learned.mkdir()
+    (learned / "rounds.json").write_text("{}")
     claim_output(job, plan, overwrite=True)
     assert not data.exists() and json.loads(path.read_text()) == fingerprint(job)
+    assert not learned.exists()
 
 
 def test_what_overwriting_removes_is_counted_before(tmp_path: Path):
@@ -103,9 +107,10 @@ def test_what_overwriting_removes_is_counted_before(tmp_path: Path):
     (data / ".part-c.parquet.partial").write_bytes(b"half")  # not a part
     Path(out.summary).write_text(json.dumps({"runs": [{}, {}]}))
     Path(out.root, "report").mkdir()
+    Path(out.root, "drafter").mkdir()
     Path(out.root, "logs").mkdir()
     assert clearing_removes(job) == (
-        "2 part files (4 rows), summary.json (2 runs), report/, fingerprint.json"
+        "2 part files (4 rows), summary.json (2 runs), report/, drafter/, fingerprint.json"
     )
     claim_output(job, plan_input(job.input), overwrite=True)
     assert clearing_removes(job) == "fingerprint.json"  # the new job's own

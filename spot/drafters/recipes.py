@@ -56,7 +56,12 @@ def record_trajectories(
         generate(target, batch, config, trace=recorder)
         if on_batch is not None:
             on_batch()
-    meta = {
+    return recorder.result(recording_meta(config, target, len(requests)))
+
+
+def recording_meta(config: DecodingConfig, target: Target, requests: int) -> dict:
+    """What a recording of `requests` requests of `target` says of how it was decoded."""
+    return {
         "steps_per_block": config.steps_per_block,
         "block_length": config.block_length,
         "gen_length": config.gen_length,
@@ -67,9 +72,8 @@ def record_trajectories(
         "confidence": config.confidence or target.confidence,
         "vocab_size": target.vocab_size,
         "hidden_size": target.hidden_size,
-        "requests": len(requests),
+        "requests": requests,
     }
-    return recorder.result(meta)
 
 
 def trained_on(meta: dict, model_path: str) -> dict:
@@ -125,10 +129,11 @@ def train_spot(
     objective: str = "order",
     config: OrderModelConfig | None = None,
     progress: Progress | None = None,
+    start: OrderModel | None = None,
 ) -> tuple[OrderModel, dict]:
     """SPOT's order model (of `config`, default the shipped size) trained on `traj` with
-    `objective` (see OBJECTIVES), and its metrics."""
-    config = config or OrderModelConfig()
+    `objective` (see OBJECTIVES), and its metrics; `start` continues from a trained model."""
+    config = start.config if start is not None else config or OrderModelConfig()
     samples = OBJECTIVES[objective]
     train, validation, held = training_split(traj, heldout)
     model, metrics = train_order_model(
@@ -138,6 +143,7 @@ def train_spot(
         epochs,
         progress=progress,
         validation=samples(validation, config),
+        model=start,
     )
     metrics["objective"] = objective
     return model, metrics

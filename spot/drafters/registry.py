@@ -97,8 +97,8 @@ def _set_model(config: dict[str, Any]) -> nn.Module:
 def _load_spot(path: str | Path, budget: int, target: Target) -> Drafter:
     from spot.drafters.spot import SpotDrafter
 
-    model, _ = load_order_model(path, "spot")
-    return SpotDrafter(model, budget=budget)
+    model, header = load_order_model(path, "spot")
+    return SpotDrafter(model, budget=budget, **header.get("tree", {}))
 
 
 def _load_spot_sets(path: str | Path, budget: int, target: Target) -> Drafter:

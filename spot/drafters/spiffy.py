@@ -116,8 +116,10 @@ def _formula(traj: Trajectories, r: int, h: int, rule: str, threshold: float) ->
     return (size - _threshold_count(confidence, traj.masked[h], threshold), 0)
 
 
-def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph:
-    """The `budget` formula paths that most often reproduce the target's own next steps."""
+def count_paths(traj: Trajectories, max_depth: int = 8) -> Counter[Path_]:
+    """How often each formula path reproduces the target's own next steps in `traj`: every
+    record adds one to each prefix its following steps pass through. Counts of recordings of
+    other requests add up (`Counter.update`), so a learner can count as trajectories come."""
     rule, threshold = traj.meta.get("rule", "static"), float(traj.meta.get("threshold", 1.0))
     if rule not in ("static", "threshold"):
         raise ValueError(f"Spiffy formulas describe the static and threshold rules, not {rule!r}")
@@ -136,10 +138,22 @@ def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph
                 break
             path.append(formula)
             counts[tuple(path)] += 1
+    return counts
+
+
+def graph_from_counts(counts: Counter[Path_], budget: int, meta: dict) -> DraftGraph:
+    """The `budget` most frequent formula paths; meta: the recording's, with `records` (how
+    many records were counted) and `max_depth`."""
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[:budget]
     ranked.sort(key=lambda kv: (len(kv[0]), -kv[1], kv[0]))  # parents before children
-    meta = {"records": n, "max_depth": max_depth, **traj.meta}
     return DraftGraph(tuple(p for p, _ in ranked), tuple(c for _, c in ranked), meta)
+
+
+def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph:
+    """The `budget` formula paths that most often reproduce the target's own next steps."""
+    counts = count_paths(traj, max_depth)
+    meta = {"records": traj.segment.numel(), "max_depth": max_depth, **traj.meta}
+    return graph_from_counts(counts, budget, meta)
 
 
 class SpiffyDrafter(BudgetedDrafter):

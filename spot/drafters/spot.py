@@ -45,11 +45,13 @@ class _Growing:
     parent: list[int]
     score: list[float]
     masked: list[list[bool]]  # per node: which block positions are still masked
-    heap: list[tuple[float, int, int, tuple[int, ...]]] = field(default_factory=list)
+    # (-priority, tie-break, parent, positions, token choice, score before the tokens)
+    heap: list[tuple[float, int, int, tuple[int, ...], int, float]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
     rows: dict[int, object] = field(default_factory=dict)  # read model row per evaluated node
     source: dict[int, int] = field(default_factory=dict)  # node -> evaluated node whose row it uses
     drawn: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    alternatives: dict[tuple[int, int], tuple[list[int], list[float]]] = field(default_factory=dict)
 
     def draw(self, step: int) -> tuple[list[int], list[float]]:
         """The drafted tokens and their log-confidences at `step`, as lists (read per node).
@@ -68,6 +70,33 @@ class _Growing:
                 log_conf = conf.double().clamp_min(1e-30).log()
             self.drawn[step] = (tokens.tolist(), log_conf.tolist())
         return self.drawn[step]
+
+    def ranked(self, step: int, choice: int) -> tuple[list[int], list[float]]:
+        """The `choice`-th most likely tokens per position at `step` and their stale
+        log-probabilities (0: the drawn ones, `draw`); among the stale top-k, never the mask
+        token nor the drawn one. At T=0 ranked by the stale distribution, at T>0 by the
+        step's coupled noise over it (the target's next picks if its distribution moved a
+        little), with probabilities over the top-k."""
+        if choice == 0:
+            return self.draw(step)
+        noise_step = self.noise.noise_step(step)
+        if (noise_step, choice) not in self.alternatives:
+            drawn = torch.tensor(self.draw(step)[0])
+            logp = self.top_logprobs.double()
+            scores = logp.clone()
+            temperature = self.inp.config.temperature
+            if temperature > 0.0:
+                g = self.noise.gumbel(self.inp.key, step, self.inp.stale_logits)
+                logp = torch.log_softmax(logp / temperature, dim=-1)
+                scores = logp + g.gather(-1, self.top_ids.long().to(g.device)).cpu()
+            excluded = (self.top_ids == drawn[:, None]) | (self.top_ids == self.inp.layout.mask_id)
+            scores = scores.masked_fill(excluded, float("-inf"))
+            pick = scores.argsort(dim=-1, descending=True, stable=True)[:, choice - 1 : choice]
+            tokens = self.top_ids.gather(-1, pick).squeeze(-1)
+            log_conf = logp.gather(-1, pick).squeeze(-1)
+            log_conf = log_conf.masked_fill(scores.gather(-1, pick).squeeze(-1).isinf(), -math.inf)
+            self.alternatives[noise_step, choice] = (tokens.tolist(), log_conf.tolist())
+        return self.alternatives[noise_step, choice]
 
 
 class BestFirstDrafter(BudgetedDrafter):
@@ -92,9 +121,12 @@ class BestFirstDrafter(BudgetedDrafter):
         """The model's output rows [len(frontier), B] for the frontier's nodes, one batch."""
         raise NotImplementedError
 
-    def _moves_from(self, g: _Growing, n: int, row) -> list[tuple[float, tuple]]:
-        """Moves (log-probability, positions committed next) of node n from a model row (as
-        `_read_row` returns it)."""
+    def _moves_from(self, g: _Growing, n: int, row) -> list[tuple]:
+        """Moves (log-probability, positions committed next[, token choice]) of node n from a
+        model row (as `_read_row` returns it). A token choice j > 0 drafts the positions' j-th
+        most likely tokens instead of the drawn ones (`_Growing.ranked`); its
+        log-probability then carries the log-ratio of their stale probabilities to the drawn
+        tokens'."""
         raise NotImplementedError
 
     def _read_row(self, row: torch.Tensor):
@@ -102,8 +134,15 @@ class BestFirstDrafter(BudgetedDrafter):
         return row
 
     def _push(self, g: _Growing, n: int, row: torch.Tensor) -> None:
-        for logp, positions in self._moves_from(g, n, row):
-            heapq.heappush(g.heap, (-(g.score[n] + logp), next(g.order), n, positions))
+        for logp, positions, *choice in self._moves_from(g, n, row):
+            j = choice[0] if choice else 0
+            base = g.score[n] + logp
+            if j:  # ranked as its tokens' probabilities say, scored like the drawn move
+                _, drawn = g.draw(g.nodes[n].step)
+                _, alternative = g.ranked(g.nodes[n].step, j)
+                base -= sum(alternative[p] - drawn[p] for p in positions)
+            priority = g.score[n] + logp
+            heapq.heappush(g.heap, (-priority, next(g.order), n, positions, j, base))
 
     @torch.inference_mode()  # not no_grad: less dispatch overhead per proposal
     def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
@@ -187,9 +226,9 @@ class BestFirstDrafter(BudgetedDrafter):
 
     def _expand(self, g: _Growing) -> int:
         """Pop the best candidate and add its state as a node; returns the node index."""
-        neg_score, _, parent, positions = heapq.heappop(g.heap)
+        _, _, parent, positions, choice, base = heapq.heappop(g.heap)
         node = g.nodes[parent]
-        tokens, log_conf = g.draw(node.step)
+        tokens, log_conf = g.ranked(node.step, choice)
         block = node.block(g.inp.layout.block_length).clone()
         masked = g.masked[parent].copy()
         for p in positions:
@@ -197,7 +236,7 @@ class BestFirstDrafter(BudgetedDrafter):
             masked[p] = False
         g.nodes.append(advance(g.inp.layout, node, block))
         g.parent.append(parent)
-        g.score.append(-neg_score + sum(log_conf[p] for p in positions))
+        g.score.append(base + sum(log_conf[p] for p in positions))
         g.masked.append(masked)
         return len(g.nodes) - 1
 
@@ -215,13 +254,18 @@ class SpotDrafter(BestFirstDrafter):
         per_round: int = 4,
         branching: int = 4,
         refresh: int | None = None,
+        token_choices: int = 1,
     ):
         """refresh None: the root's scores, renormalised over each node's remaining masked
         positions, rank the whole tree: as good a tree as re-evaluating every few levels, for
-        one model call per proposal (docs/benchmarks.md §6.1)."""
+        one model call per proposal (docs/benchmarks.md §6.1). token_choices: how many of
+        each position's most likely tokens a node may draft (one commit per step only): off
+        the prompts the target was trained on, the stale token is wrong more often, and a
+        runner-up token is then a child of its own."""
         super().__init__(budget, per_round, branching, refresh)
         self.model = model.eval()
         self.top_k = model.config.top_k
+        self.token_choices = token_choices
 
     def _evaluate(self, frontier):
         feats, masks = zip(*(self._node_features(g, n, self.model.config) for g, n in frontier))
@@ -255,4 +299,11 @@ class SpotDrafter(BestFirstDrafter):
         for pos in live[: self.branching]:
             rest = [p for p in by_conf if p != pos][: k - 1]
             moves.append((scores[pos] - log_z, (pos, *rest)))
+            if k == 1 and self.token_choices > 1:
+                _, drawn = g.draw(node.step)
+                for j in range(1, self.token_choices):
+                    _, alternative = g.ranked(node.step, j)
+                    if alternative[pos] > -math.inf:
+                        logp = scores[pos] - log_z + alternative[pos] - drawn[pos]
+                        moves.append((logp, (pos,), j))
         return moves

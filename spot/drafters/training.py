@@ -219,7 +219,8 @@ def _fit(
     for _ in range(epochs):
         order = torch.randperm(samples, generator=generator)
         for s in range(0, samples, batch_size):
-            loss = batch_loss(order[s : s + batch_size])
+            with torch.enable_grad():  # whatever the caller's mode (benchmarks turn it off)
+                loss = batch_loss(order[s : s + batch_size])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -251,13 +252,15 @@ def train_order_model(
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
     validation: OrderSamples | None = None,
+    model: OrderModel | None = None,
 ) -> tuple[OrderModel, dict]:
     """The order model and its held-out next-commit accuracy, trained on the likelihood of
     the commits that follow each sample (the next one from `build_samples`; the order of
     the next few from `root_samples`); with `validation` samples, the epoch (0: the
     untrained model, which is the commit rule's own guess) whose probabilities fit them best
-    is kept."""
-    model = _init(OrderModel, config, seed)
+    is kept. `model` continues training a given model (a learner's previous round): epoch 0
+    is then that model."""
+    model = _init(OrderModel, config, seed) if model is None else model
 
     def batch_loss(idx):
         logits = model(train.features[idx], train.masked[idx])

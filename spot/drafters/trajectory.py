@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +156,11 @@ class Trajectories:
         keep = self.segment < cut
         return self._select(keep), self._select(~keep)
 
+    def of_requests(self, keys: Iterable[int]) -> Trajectories:
+        """The records of the requests whose noise keys are in `keys`, in this order."""
+        wanted = torch.tensor(sorted(set(keys)), dtype=self.key.dtype)
+        return self._select(torch.isin(self.key, wanted))
+
     def _select(self, rows: torch.Tensor) -> Trajectories:
         hidden = None if self.hidden is None else self.hidden[rows]
         return Trajectories(
@@ -168,14 +173,15 @@ class TrajectoryRecorder:
 
     def __init__(
         self,
-        keys: list[int],
+        keys: list[int] | dict[int, int],
         block_length: int,
         mask_id: int,
         top_k: int = TOP_K,
         record_hidden: bool = False,
     ):
         self.needs_hidden = record_hidden
-        self.keys = keys  # noise key of each request index of the current generate() call
+        # noise key of each request index of the current generate() call (or stream)
+        self.keys = keys
         self.block_length = block_length
         self.mask_id = mask_id
         self.top_k = top_k
@@ -211,7 +217,21 @@ class TrajectoryRecorder:
     def result(self, meta: dict) -> Trajectories:
         """All records, each segment's consecutive and in step order; `meta` (the decoding
         they were recorded with) gains the noise generator that decoding drew from."""
-        rows = sorted(self._rows, key=lambda r: (r[5], r[6]))
+        return self._stacked(self._rows, meta)
+
+    def take(self, keys: Iterable[int], meta: dict) -> Trajectories | None:
+        """The records of the requests with these noise keys (rows that finished, while
+        others still decode), as `result` stacks them, and forgets them; None if it holds
+        none of them."""
+        wanted = set(keys)
+        taken = [row for row in self._rows if row[8] in wanted]
+        if not taken:
+            return None
+        self._rows = [row for row in self._rows if row[8] not in wanted]
+        return self._stacked(taken, meta)
+
+    def _stacked(self, rows: list[tuple], meta: dict) -> Trajectories:
+        rows = sorted(rows, key=lambda r: (r[5], r[6]))
         cols = list(zip(*rows))
         return Trajectories(
             top_logprobs=torch.stack(cols[0]),
