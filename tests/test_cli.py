@@ -626,6 +626,7 @@ def test_resume_refuses_other_settings_and_takes_another_drafter_and_batch(tmp_p
     assert removed[0] in logs[-1].read_text()
 
 
+@pytest.mark.e2e
 def test_a_failing_job_prints_one_message_and_keeps_the_log(tmp_path: Path):
     """A checkpoint whose weights are broken passes validation (only its config is read)
     and fails in the replica: two lines on the terminal, the traceback in the run's log."""

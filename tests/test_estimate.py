@@ -181,6 +181,7 @@ def test_estimate_runs_the_jobs_pipeline_and_measures_this_machines_start(job_fi
     assert "INFO" not in result.stderr  # Ray's went to the sample run's log
 
 
+@pytest.mark.e2e
 def test_estimate_text_names_the_start_it_measured(job_file):
     args = ["estimate", str(job_file), "--sample", "2", "--set", "resources.replicas=1"]
     result = run_cli(*args, timeout=300)

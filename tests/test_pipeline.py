@@ -298,6 +298,7 @@ def test_part_files_appear_whole(greedy_with_a_death):
     assert sum(seen.values()) == summary["totals"]["rows"] and len(seen) >= 2
 
 
+@pytest.mark.e2e
 def test_an_interrupted_job_resumes_without_duplicates(setup, sampled_one_replica):
     """The job of `sampled_one_replica`, interrupted half way, then submitted again: every
     row exactly once, and the same completions as the run that was never interrupted."""

@@ -109,6 +109,7 @@ def test_the_system_prompt_goes_before_each_prompt(root, plain):
             assert len(shorter) < len(expected)
 
 
+@pytest.mark.e2e
 def test_stop_strings_end_completions_before_the_first_one(root, plain):
     prompts, plain_rows = plain
     first = next(r["completion"] for r in plain_rows if r["id"] == "0")
@@ -140,6 +141,7 @@ def test_stop_strings_end_completions_before_the_first_one(root, plain):
     assert stopped >= 1 and saved > 0
 
 
+@pytest.mark.e2e
 def test_messages_column_with_a_system_prompt(root):
     conversations = [
         [{"role": "user", "content": "What is 2 + 3?"}],

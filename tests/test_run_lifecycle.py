@@ -141,6 +141,7 @@ def _faulty(*plan: tuple[str, object]) -> dict[str, str]:
     }
 
 
+@pytest.mark.e2e
 def test_a_row_whose_generation_fails_is_logged_counted_and_alone(made):
     """One row's forwards fail in the replica: that row is an error row of kind
     "generation", every other row is written as usual, the run succeeds, its log holds the
@@ -174,6 +175,7 @@ def test_a_row_whose_generation_fails_is_logged_counted_and_alone(made):
     assert "generation failed for a batch of" in text and "Traceback (most recent call" in text
 
 
+@pytest.mark.e2e
 def test_a_job_whose_every_forward_fails_stops_naming_the_error(made):
     """Every forward fails: the job stops once more than half of a replica's recent rows
     failed, exit 1, one line naming the most common error and example rows; the summary
