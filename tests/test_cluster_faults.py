@@ -169,26 +169,7 @@ def test_a_killed_replica_is_restarted_and_the_job_completes(cluster, inputs, re
     print(f"replica killed after {parts_at_kill}/{parts} parts; job {elapsed:.0f} s")
 
 
-def test_a_lost_worker_node_stops_or_finishes_and_a_resubmit_completes(cluster, inputs, reference):
-    job, output = _job_file(inputs, "node-lost")
-    submission = Submission(cluster, job)
-    _replicas(cluster)
-    parts_at_kill = _wait_for_parts(output, 1, submission)
-    cluster.kill_node("worker")
-    started = time.perf_counter()
-    code, log = submission.wait()
-    assert code is not None, "the job hung after the worker was lost"
-    print(f"worker lost after {parts_at_kill} parts: job ended {code}", end=" ")
-    print(f"{time.perf_counter() - started:.0f} s later")
-    if code != 0:
-        assert "what it wrote is kept; submit again to finish" in log, log[-4000:]
-        code, log = Submission(cluster, job).wait()
-        assert code == 0, log[-4000:]
-        assert " 0 already written" not in log, log[-4000:]
-    parts = _check_output(output, reference)
-    assert parts_at_kill < parts
-
-
+# before the node-lost test, which leaves the cluster without its worker
 def test_a_replica_killed_while_a_learned_drafter_is_handed_out_recovers(cluster, inputs, tmp_path):
     """A job that learns its drafter (one learner actor, drafters through the object store):
     the worker's replica is killed as the learner's first drafter is handed out. It is
@@ -248,6 +229,26 @@ def test_a_replica_killed_while_a_learned_drafter_is_handed_out_recovers(cluster
     assert restarted and int(restarted[0]["num_restarts"]) >= 1, restarted
     labels = set(pq.read_table(output / "data", columns=["drafter"]).column(0).to_pylist())
     assert labels - {"none"}, labels  # rows decoded with a learned drafter
+
+
+def test_a_lost_worker_node_stops_or_finishes_and_a_resubmit_completes(cluster, inputs, reference):
+    job, output = _job_file(inputs, "node-lost")
+    submission = Submission(cluster, job)
+    _replicas(cluster)
+    parts_at_kill = _wait_for_parts(output, 1, submission)
+    cluster.kill_node("worker")
+    started = time.perf_counter()
+    code, log = submission.wait()
+    assert code is not None, "the job hung after the worker was lost"
+    print(f"worker lost after {parts_at_kill} parts: job ended {code}", end=" ")
+    print(f"{time.perf_counter() - started:.0f} s later")
+    if code != 0:
+        assert "what it wrote is kept; submit again to finish" in log, log[-4000:]
+        code, log = Submission(cluster, job).wait()
+        assert code == 0, log[-4000:]
+        assert " 0 already written" not in log, log[-4000:]
+    parts = _check_output(output, reference)
+    assert parts_at_kill < parts
 
 
 def test_the_cluster_leaves_nothing_behind(cluster):

@@ -100,8 +100,11 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+# T=0 swaps are checked in the default suite (test_continuous_batching); its job runs with -m slow
+@pytest.mark.parametrize(
+    "temperature",
+    [pytest.param(0.0, marks=pytest.mark.slow), pytest.param(0.8, marks=pytest.mark.e2e)],
+)
 def test_a_learning_job_is_exact_resumable_and_its_drafter_serves_another(
     tmp_path: Path, temperature: float
 ):
