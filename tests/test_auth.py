@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -128,14 +129,15 @@ def test_a_client_without_the_token_is_refused_while_a_job_runs(tmp_path):
             said = {name: client.communicate(timeout=180) for name, client in clients.items()}
             waited = time.monotonic() - started
             assert running.poll() is None, "the job ended before the clients were refused"
-            assert running.wait(timeout=900) == 0, log.read_text()[-3000:]
+            running.send_signal(signal.SIGTERM)  # what it wrote is kept; no need to finish
+            assert running.wait(timeout=300) == 143, log.read_text()[-3000:]
         for name, (stdout, stderr) in said.items():
             assert "ran code" not in stdout, (name, stdout)
             assert "refused: ConnectionError" in stdout, (name, stdout, stderr[-2000:])
         assert "InvalidAuthToken" in said["loopback"][1]  # the GCS itself turned it away
         assert waited < 120
         out = log.read_text()
-        assert f"[progress] {ROWS}/{ROWS} rows (0 errors)" in out, out[-3000:]
+        assert "rows kept" in out and "left; resubmit to continue" in out, out[-3000:]
         assert not (home / ".ray").exists()
         assert not list(temp.glob("spot-ray-*"))  # the run's Ray files are gone
     finally:
