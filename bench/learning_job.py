@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.offcorpus_prompts import offcorpus_prompts  # noqa: E402
+from bench.pipeline_batches import submit_file  # noqa: E402
 
 VARIANTS = ("draft-free", "bundled", "learning")
 SMALL = {  # rounds within a few hundred rows
@@ -82,16 +82,7 @@ def run_variant(args: argparse.Namespace, variant: str, prompts: Path, work: Pat
     out = work / variant
     job = work / f"{variant}.yaml"
     job.write_text(yaml.safe_dump(job_dict(args, variant, prompts, out)))
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "submit", str(job), "--overwrite"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    wall = submit_file(job)
     summary = json.loads((out / "summary.json").read_text())
     table = pq.read_table(out / "data", columns=["id", "nfe", "steps", "drafter"])
     nfe, steps = (pc.sum(table.column(c)).as_py() for c in ("nfe", "steps"))

@@ -64,10 +64,9 @@ def job(args, rows: int, cache: str, out: Path) -> dict:
     }
 
 
-def submit(spec: dict, folder: Path) -> tuple[dict, float, dict]:
-    """The job's summary, the command's wall time and its rows' tokens by key."""
-    path = folder / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec))
+def submit_file(path: Path) -> float:
+    """`spot-pipeline submit PATH --overwrite` in a subprocess from the checkout; its wall
+    time, launch to exit. A failure ends the benchmark with the command's last output."""
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "submit", str(path), "--overwrite"],
@@ -77,7 +76,18 @@ def submit(spec: dict, folder: Path) -> tuple[dict, float, dict]:
     )
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"submit failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"submit {path} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+            f"{done.stderr[-3000:]}"
+        )
+    return seconds
+
+
+def submit(spec: dict, folder: Path) -> tuple[dict, float, dict]:
+    """The job's summary, the command's wall time and its rows' tokens by key."""
+    path = folder / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    seconds = submit_file(path)
     out = Path(spec["output"]["path"])
     table = pq.read_table(out / "data", columns=["id", "sample_index", "completion_token_ids"])
     tokens = {(r["id"], r["sample_index"]): r["completion_token_ids"] for r in table.to_pylist()}
