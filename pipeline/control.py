@@ -37,6 +37,17 @@ WRITE_SECONDS = 10.0  # after the grace period, for the last rows to be written
 POLL_SECONDS = 0.25
 
 
+def beside_the_driver(soft: bool = False) -> dict[str, Any]:
+    """Actor options that place a run's own actor (its control, progress counter, learner)
+    on the driver's node. Anywhere else it could land on a node that is lost, or is already
+    lost and not yet marked dead (a resubmit right after a node loss), and take the run with
+    it; `soft` lets an actor that needs CPUs go elsewhere when the driver's node has none."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=soft)}
+
+
 class RunInterrupted(KeyboardInterrupt):
     """The run was stopped by a signal (like Ctrl-C's KeyboardInterrupt, which libraries
     clean up after); `summary` says what it kept, once the run has written its record."""

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from pipeline.control import beside_the_driver
 from pipeline.job import Job
 from pipeline.output import DRAFTER_DIR
 
@@ -299,7 +300,7 @@ def start_learner(job: Job) -> ray.actor.ActorHandle:
     """The job's learner actor, with the CPUs of `drafter.learning` (it trains on CPU: the
     order model is small, and its trainer takes no device yet)."""
     learning = job.drafter.learning
-    return Learner.options(num_cpus=learning.num_cpus).remote(job)
+    return Learner.options(num_cpus=learning.num_cpus, **beside_the_driver(soft=True)).remote(job)
 
 
 class RowRecording:

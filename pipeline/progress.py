@@ -33,6 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from pipeline.control import beside_the_driver
+
 Counts = tuple[int, int, int, int]  # rows, errors, generated tokens, target forwards (NFE)
 Echo = Callable[[str], None]
 
@@ -157,7 +159,7 @@ class ProgressPrinter:
         self.echo(f"[{self.name}] starting Ray")
 
     def __enter__(self) -> ProgressPrinter:
-        self.counter = ProgressCounter.remote()
+        self.counter = ProgressCounter.options(**beside_the_driver()).remote()
         self.phases["ray"] = self._elapsed()
         replicas = f"{self.replicas} replica" + ("" if self.replicas == 1 else "s")
         self._event(

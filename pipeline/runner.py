@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import ray
 from ray.data import DataContext
 
-from pipeline.control import RunControl, RunInterrupted, SignalStop
+from pipeline.control import RunControl, RunInterrupted, SignalStop, beside_the_driver
 from pipeline.fingerprint import claim_output
 from pipeline.inputs import InputPlan, plan_input, read_jsonl_files
 from pipeline.job import Job
@@ -226,7 +226,7 @@ def _execute(
     context = DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    control = RunControl.remote()
+    control = RunControl.options(**beside_the_driver()).remote()
     learner = start_learner(run.job) if run.job.drafter.learn else None
     process = build_processor(
         run.job,
