@@ -1,9 +1,9 @@
 """Rows to completions in three steps, each a Ray Data stage of a job (pipeline.runner):
 
-1. `tokenize_rows` (a CPU stage): each row's prompt ids, through the chat template;
+1. `pipeline.text.tokenize_rows` (a CPU stage): each row's prompt ids, through the chat template;
 2. `Engine.generate_rows` (the model replica, holding target and drafter, built once): token
    ids in, token ids out, decoded continuously `resources.batch_size` requests at a time;
-3. `detokenize_rows` (a CPU stage): the completion text, cut at the first stop string.
+3. `pipeline.text.detokenize_rows` (a CPU stage): the completion text, cut at the first stop string.
 
 `Engine.process` runs the three in this process (`spot-pipeline estimate` measures a replica
 with it). Every row comes back: a row that cannot be generated (no id, duplicate id, null /
@@ -17,26 +17,25 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
 
 from pipeline.decoder import Call, Decoder, Pending, Recording
-from pipeline.job import AUTO_PREFIX_CACHE_BYTES, InputConfig, Job
-from pipeline.prompts import PromptError, cut_at_stop, find_stop, prompt_ids, prompt_text
+from pipeline.job import AUTO_PREFIX_CACHE_BYTES, Job
+from pipeline.prompts import PromptError, find_stop, prompt_ids
 from pipeline.schema import (
     GENERATED_FIELDS,
     GENERATION_ERROR,
     ID,
     INPUT_ERROR,
-    MESSAGES,
     PROMPT,
     PROMPT_IDS,
     ROW_ERROR,
     SAMPLE_INDEX,
 )
+from pipeline.text import detokenize_rows, load_tokenizer, tokenize_rows
 from spot import noise
 from spot.budget import AcceptanceCurve, AutoBudget, ForwardCost
 from spot.decode import Drafter, Request, Result
@@ -46,14 +45,6 @@ from spot.target import Target
 from spot.tree import Layout
 
 DrafterLoader = Callable[[int | None], tuple[Drafter, AcceptanceCurve]]
-
-
-def load_tokenizer(job: Job, directory: Path | None = None) -> Any:
-    """The tokenizer of job.model (a hub id not yet cached is downloaded), or of its
-    checkpoint `directory` when the caller found it already."""
-    from spot_common.tokenizer import load_tokenizer as load
-
-    return load(directory or job.model.path.checkpoint())
 
 
 def load_model(job: Job) -> tuple[Any, Target]:
@@ -110,48 +101,6 @@ def forward_cost(job: Job, target: Target, largest: int) -> ForwardCost:
     block = job.decoding.block_length
     states = sorted({1, 2, 4, 8, 16, 32, batch, batch * (largest + 1)})
     return measure_forward_cost(target, block, 4 * block, states)
-
-
-def tokenize_rows(tokenizer: Any, config: InputConfig, batch: pa.Table) -> pa.Table:
-    """Step 1: `batch` (expanded input rows) with each row's prompt ids (PROMPT_IDS, null
-    where the prompt cannot be built: its reason goes to ROW_ERROR) and PROMPT set to the
-    text the output's prompt column holds (`pipeline.prompts.prompt_text`)."""
-    rows = _prompt_rows(batch)
-    errors = batch.column(ROW_ERROR).to_pylist()
-    ids: list[list[int] | None] = [None] * batch.num_rows
-    for i, row in enumerate(rows):
-        if errors[i] is None:
-            try:
-                ids[i] = prompt_ids(tokenizer, row, config)
-            except PromptError as error:
-                errors[i] = str(error)
-    texts = [prompt_text(row, config) for row in rows]
-    batch = _with_column(batch, PROMPT, pa.array(texts, pa.string()))
-    batch = _with_column(batch, ROW_ERROR, pa.array(errors, pa.string()))
-    return _with_column(batch, PROMPT_IDS, pa.array(ids, pa.list_(pa.int64())))
-
-
-def detokenize_rows(tokenizer: Any, stops: Sequence[str], batch: pa.Table) -> pa.Table:
-    """Step 3: the output rows of `Engine.generate_rows` with their completion text, each
-    cut at its first stop string (text, token ids and count; finish reason `stop`)."""
-    generated = batch.column("completion_token_ids").to_pylist()
-    reasons = batch.column("finish_reason").to_pylist()
-    texts: list[str | None] = [None] * batch.num_rows
-    for i, ids in enumerate(generated):
-        if ids is None:
-            continue
-        generated[i], texts[i], stopped = cut_at_stop(tokenizer, ids, stops)
-        if stopped:
-            reasons[i] = "stop"
-    counts = [None if ids is None else len(ids) for ids in generated]
-    for name, values in (
-        ("completion", texts),
-        ("completion_token_ids", generated),
-        ("num_generated_tokens", counts),
-        ("finish_reason", reasons),
-    ):
-        batch = _with_column(batch, name, pa.array(values, _FIELDS[name].type))
-    return batch
 
 
 class StopStrings:
@@ -492,25 +441,6 @@ def _budget_iterations(ran: Counter) -> list[dict[str, int]]:
     ]
 
 
-def _prompt_rows(batch: pa.Table) -> list[dict[str, Any]]:
-    """Each row's prompt and messages (None where the batch has no such column), the row
-    form `pipeline.prompts` reads."""
-    prompts, messages = (
-        batch.column(name).to_pylist() if name in batch.column_names else [None] * batch.num_rows
-        for name in (PROMPT, MESSAGES)
-    )
-    return [{PROMPT: p, MESSAGES: m} for p, m in zip(prompts, messages)]
-
-
-def _with_column(batch: pa.Table, name: str, values: pa.Array) -> pa.Table:
-    """`batch` with column `name` replaced by `values`, or added at the end."""
-    index = batch.schema.get_field_index(name)
-    if index < 0:
-        return batch.append_column(name, values)
-    return batch.set_column(index, name, values)
-
-
-_FIELDS = {field.name: field for field in GENERATED_FIELDS}
 INTERNAL = (ROW_ERROR, PROMPT_IDS)  # columns between the steps, never written
 
 

@@ -204,35 +204,35 @@ def first_key(batch: pa.Table) -> str:
 
 class TokenizeStage:
     """Before the model: each row's prompt ids through the chat template, or its error
-    (`pipeline.engine.tokenize_rows`); the tokenizer is loaded once per actor."""
+    (`pipeline.text.tokenize_rows`); the tokenizer is loaded once per actor."""
 
     def __init__(self, job: Job):
-        from pipeline.engine import load_tokenizer
+        from pipeline.text import load_tokenizer
 
         self.job = job
         self.tokenizer = load_tokenizer(job)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pipeline.engine import tokenize_rows
+        from pipeline.text import tokenize_rows
 
         return tokenize_rows(self.tokenizer, self.job.input, batch)
 
 
 class DetokenizeStage:
     """After the model: the completions' text, cut at the first stop string
-    (`pipeline.engine.detokenize_rows`). The replicas report their rows' tokens before the
+    (`pipeline.text.detokenize_rows`). The replicas report their rows' tokens before the
     cut to the progress counter; the tokens a cut removes are reported here (under the
     batch's own name), so the totals end as the rows are written."""
 
     def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
-        from pipeline.engine import load_tokenizer
+        from pipeline.text import load_tokenizer
 
         self.job = job
         self.tokenizer = load_tokenizer(job)
         self.progress = progress  # a pipeline.progress.ProgressCounter
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pipeline.engine import detokenize_rows
+        from pipeline.text import detokenize_rows
 
         out = detokenize_rows(self.tokenizer, self.job.decoding.stop, batch)
         if self.progress is not None and self.job.decoding.stop:

@@ -11,10 +11,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.engine import Engine, StopStrings, tokenize_rows
+from pipeline.engine import Engine, StopStrings
 from pipeline.job import parse_job
 from pipeline.prompts import cut_at_stop, find_stop
 from pipeline.schema import GENERATED_FIELDS, PROMPT_IDS, ROW_ERROR
+from pipeline.text import tokenize_rows
 from spot import noise
 from spot.decode import Request, generate
 from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pipeline.decoder import TooManyFailuresError
-from pipeline.engine import Engine, tokenize_rows
+from pipeline.engine import Engine
 from pipeline.job import parse_job
 from pipeline.schema import ROW_ERROR
+from pipeline.text import tokenize_rows
 from tests.faulty_target import FaultyTarget
 from tests.pipeline_fixtures import job_dict, make_tiny_sdar, word_prompts, write_prompts
 

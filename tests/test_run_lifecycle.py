@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.engine import load_tokenizer
 from pipeline.job import load_job
 from pipeline.prompts import prompt_ids
+from pipeline.text import load_tokenizer
 from tests.pipeline_fixtures import job_dict, make_tiny_sdar, run_cli, word_prompts, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
