@@ -10,12 +10,15 @@ refused, naming the holder, unless the holder is gone: on the same machine, its 
 longer exists; seen from another machine, its heartbeat is older than STALE_SECONDS. Such a
 lease is taken over, with a message.
 
-The lease is created atomically where the file system allows it: in a local (or NFS)
-folder the complete lease is written under a temporary name and hard-linked to
-`lease.json`, which fails when that name exists (the guarantee of O_CREAT|O_EXCL, without a
-moment where the file is empty). pyarrow's object-store file systems offer no conditional
-write (Arrow's S3 writes set ACL, Cache-Control, Content-Type, Content-Language and Expires
-only, not `If-None-Match: *`), so there the lease is written when none is found, read back
+In a local (or NFS) folder a submit takes and releases the lease holding an exclusive lock
+on `OUT/.lease.lock` (flock; NFS clients lock it on the server): it reads the lease, is
+refused if a live holder has it, else writes its own (through a temporary name, renamed
+over a gone holder's). Submits started together take turns, and exactly one finds no live
+holder; the name is never missing while a live holder has it.
+
+pyarrow's object-store file systems offer neither a lock nor a conditional write (Arrow's
+S3 writes set ACL, Cache-Control, Content-Type, Content-Language and Expires only, not
+`If-None-Match: *`), so there the lease is written when none is found, read back
 after SETTLE_SECONDS and kept only if it still holds this run's id: two submits that both
 find no lease within the same moment can both write it, and the later write wins; the
 holder reads its lease at every heartbeat and stops when another run holds it.
@@ -28,6 +31,7 @@ record that run as `lost`, with what its parts hold (`summary.lost_run_record`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import json
 import os
@@ -47,6 +51,7 @@ from pipeline.job import JobError
 from pipeline.output import RUNS_DIR, OutputDir, write_atomically
 
 LEASE_FILE = "lease.json"
+LOCK_FILE = ".lease.lock"  # local folders: held while the lease is taken or released
 HEARTBEAT_SECONDS = 15.0
 STALE_SECONDS = 120.0  # a heartbeat this old, seen from another machine: the holder is gone
 SETTLE_SECONDS = 2.0  # object stores: how long a written lease must survive to be held
@@ -240,6 +245,12 @@ class Lease:
 
     def _acquire(self) -> str | None:
         self.output.filesystem.create_dir(self.output.root, recursive=True)
+        if self.local:
+            with self._locked():
+                taken = self._take_over(read_lease(self.output))
+                self._write(lease_path(self.output), asdict(self.holder))
+            self._start_heartbeat()
+            return taken
         taken = None
         for _ in range(5):
             if self._create():
@@ -248,63 +259,47 @@ class Lease:
             holder = read_lease(self.output)
             if holder is None:
                 continue  # released in between: try again
-            reason = holder.gone()
-            if reason is None:
-                raise OutputHeld(_held(self.output, holder))
-            if self._remove(holder):
-                taken = f"took over the output's lease from {holder.describe()}: {reason}"
+            taken = self._take_over(holder)
+            self._remove(holder)
         raise OutputHeld(
             [f"output.path: {self.output.uri}: other submits are taking its lease; try again"]
         )
 
-    def _create(self) -> bool:
-        """Create lease.json holding this process, unless it exists."""
-        text = json.dumps(asdict(self.holder), indent=2).encode()
-        path = lease_path(self.output)
-        if self.local:
-            temporary = posixpath.join(self.output.root, f".{LEASE_FILE}.{self.run_id}.new")
-            with open(temporary, "wb") as file:
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
+    def _take_over(self, holder: Holder | None) -> str | None:
+        """Refuse a live holder; the line saying a gone one's lease is taken over."""
+        if holder is None:
+            return None
+        reason = holder.gone()
+        if reason is None:
+            raise OutputHeld(_held(self.output, holder))
+        return f"took over the output's lease from {holder.describe()}: {reason}"
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The output's lease lock (local folders), held for the `with` block."""
+        with open(posixpath.join(self.output.root, LOCK_FILE), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
-                os.link(temporary, path)  # fails when the name exists, whatever it holds
-            except FileExistsError:
-                return False
+                yield
             finally:
-                os.unlink(temporary)
-            return True
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _create(self) -> bool:
+        """Object stores: write lease.json holding this process unless one exists, and keep
+        it if it still holds this run after SETTLE_SECONDS."""
+        path = lease_path(self.output)
         if self.output.filesystem.get_file_info(path).type != pafs.FileType.NotFound:
             return False
-        write_atomically(self.output.filesystem, path, lambda f: f.write(text))
+        self._write(path, asdict(self.holder))
         time.sleep(SETTLE_SECONDS)
         holder = read_lease(self.output)
         return holder is not None and holder.run_id == self.run_id
 
-    def _remove(self, stale: Holder) -> bool:
-        """Remove the lease of `stale`, and nothing else: True when it was removed here."""
-        path = lease_path(self.output)
-        if not self.local:
-            holder = read_lease(self.output)
-            if holder is None or holder.run_id != stale.run_id:
-                return False
-            self.output.filesystem.delete_file(path)
-            return True
-        aside = posixpath.join(self.output.root, f".{LEASE_FILE}.{self.run_id}.stale")
-        try:
-            os.rename(path, aside)  # one remover wins; the others find no file
-        except FileNotFoundError:
-            return False
-        try:
-            with open(aside) as file:
-                moved = json.loads(file.read()).get("run_id")
-        except (OSError, ValueError):
-            moved = stale.run_id
-        if moved != stale.run_id:  # a new lease was made in between: put it back
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, path)
-        os.unlink(aside)
-        return moved == stale.run_id
+    def _remove(self, stale: Holder) -> None:
+        """Object stores: remove the lease of `stale`, if it still holds it."""
+        holder = read_lease(self.output)
+        if holder is not None and holder.run_id == stale.run_id:
+            self.output.filesystem.delete_file(lease_path(self.output))
 
     def _start_heartbeat(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="lease-heartbeat", daemon=True)
@@ -353,9 +348,10 @@ class Lease:
         with contextlib.suppress(OSError):
             if recorded and self._marker is not None:
                 self.output.filesystem.delete_file(marker_path(self.output, self.run_id))
-            holder = read_lease(self.output)
-            if holder is not None and holder.run_id == self.run_id:
-                self.output.filesystem.delete_file(lease_path(self.output))
+            with self._locked() if self.local else contextlib.nullcontext():
+                holder = read_lease(self.output)
+                if holder is not None and holder.run_id == self.run_id:
+                    self.output.filesystem.delete_file(lease_path(self.output))
 
 
 def marker_path(output: OutputDir, run_id: str) -> str:

@@ -6,7 +6,8 @@ Layout of `output.path`:
                              see Parquet only)
   report/                    plots and an HTML page (`spot-pipeline report`)
   fingerprint.json, input.json  what decided the rows (pipeline.fingerprint, .identity)
-  lease.json, runs/          the submit writing now, and runs not yet recorded (pipeline.lease)
+  lease.json, runs/          the submit writing now, and runs not yet recorded (pipeline.lease;
+                             .lease.lock, in local folders, serializes taking the lease)
 
 A part file is written under a hidden temporary name in data/ and renamed when complete, so
 a reader never sees half a file. Its name is a hash of the (id, sample_index) keys it holds:

@@ -150,7 +150,7 @@ def test_contenders_started_together_get_one_lease(tmp_path: Path, stale_holder:
         for process in processes:
             process.wait(timeout=60)
     assert outcomes == ["held"] + ["refused"] * 5
-    assert sorted(os.listdir(output.root)) == ["lease.json"]  # no temporaries left
+    assert sorted(os.listdir(output.root)) == [".lease.lock", "lease.json"]  # no temporaries
 
 
 def test_the_heartbeat_refreshes_the_lease_and_notices_a_lost_one(tmp_path: Path, monkeypatch):
