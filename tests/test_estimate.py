@@ -152,6 +152,7 @@ def test_estimate_measures_one_replica_on_a_sample(job_file):
     assert float(table[0].split()[-2]) == pytest.approx(expected.cost_usd, abs=0.01)
 
 
+@pytest.mark.e2e
 def test_estimate_runs_the_jobs_pipeline_and_measures_this_machines_start(job_file):
     """The command through the installed entry point: one block of the job (the default
     sample) through an embedded Ray and one replica; the start-up it projects is what that

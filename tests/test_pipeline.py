@@ -283,6 +283,7 @@ def test_the_processor_inside_a_users_own_pipeline(setup, sampled_one_replica, t
     assert mine.num_rows == 4 * SAMPLES and min(mine.column("words").to_pylist()) >= 1
 
 
+@pytest.mark.e2e
 def test_a_replica_that_dies_is_restarted(greedy_with_a_death):
     job, summary, _, _ = greedy_with_a_death
     assert Path(job.output.path.text + ".died").exists()  # it did die
@@ -291,6 +292,7 @@ def test_a_replica_that_dies_is_restarted(greedy_with_a_death):
     assert table.num_rows == (GOOD + BAD) * samples(0.0) == summary["totals"]["rows"]
 
 
+@pytest.mark.e2e
 def test_part_files_appear_whole(greedy_with_a_death):
     """A reader polling the output folder during the run read every part it saw in full."""
     _, summary, seen, failures = greedy_with_a_death
