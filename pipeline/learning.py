@@ -12,9 +12,12 @@
   store and puts it in the engine's `spot.drafting.DrafterSlot`: the decode loop takes it
   at its next iteration, without a restart, and tokens stay the target's own.
 
-A resubmit starts from the last drafter handed out (rounds.json), and learns on unless the
-learner had stopped; a learned file is an ordinary drafter file of its kind, which another
-job can name in `drafter.path`.
+Every row the learner takes is also written under <output.path>/drafter/rows/ (a folder of
+trajectory shards, the format `record-trajectories` writes) while it learns. A resubmit
+starts from the last drafter handed out (rounds.json) and, unless the learner had stopped,
+from every row recorded before: its rounds come when they would have come had the job not
+been stopped. The rows are removed when the learner stops. A learned file is an ordinary
+drafter file of its kind, which another job can name in `drafter.path`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pipeline.job import Job
 from pipeline.output import DRAFTER_DIR
 
 ROUNDS_FILE = "rounds.json"
+ROWS_DIR = "rows"  # the rows recorded while learning, kept across runs
 POLL_SECONDS = 0.5  # how often a replica asks the learner for a new drafter
 # when the rows are done, how long the driver waits for a learning round in progress (its
 # drafter is written, and the next run starts from it) before stopping the learner
@@ -107,6 +111,10 @@ class LearnerState:
         self.version = 0
         self.handout = self._start()
         self._handed = self.learner.current
+        self.rows_dir = self.out_dir / ROWS_DIR
+        self.rows_restored = 0  # rows an earlier run recorded, learned from again
+        self._shards = 0
+        self._run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         self._wake = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="learner")
@@ -195,8 +203,8 @@ class LearnerState:
         return {"handout": handout if handout.version != version else None, "record": recording}
 
     def close(self, timeout: float) -> dict[str, Any]:
-        """Let the round in progress finish (up to `timeout` seconds), learn nothing more,
-        and return what rounds.json holds."""
+        """Let the round in progress finish (up to `timeout` seconds), learn nothing more
+        (the rows still queued are kept for a resubmit), and return what rounds.json holds."""
         with self._wake:
             self._closing = True
             self._wake.notify()
@@ -214,6 +222,7 @@ class LearnerState:
             "rows": learner.rows,
             "rows_by_slice": {name: len(keys) for name, keys in learner.keys.items()},
             "rows_received": self.rows_received,
+            "rows_restored": self.rows_restored,
             "recording_seconds": self.recording_seconds,
             "error": self.failed,
         }
@@ -228,41 +237,67 @@ class LearnerState:
     def _run(self) -> None:
         import torch
 
-        while True:
-            with self._wake:
-                while not (self.inbox or self._closing):
-                    self._wake.wait()
-                if self._closing:
-                    return
-                parts, self.inbox = self.inbox, []
-            try:
+        try:
+            self._restore()
+            while True:
+                with self._wake:
+                    while not (self.inbox or self._closing):
+                        self._wake.wait()
+                    parts, self.inbox = self.inbox, []
                 for part in parts:
                     self._take(part)
+                if self._closing:
+                    return  # the rows taken are kept: a resubmit learns from them
                 with torch.no_grad():
                     while not self._closing and (done := self.learner.learn()) is not None:
                         self._after(done)
-            except Exception as error:  # learning stops; the job goes on with its drafter
-                import traceback
+        except Exception as error:  # learning stops; the job goes on with its drafter
+            import traceback
 
-                self.failed = f"{type(error).__name__}: {error}"
-                print(f"drafter learning stopped: {traceback.format_exc()}", flush=True)
-                return
+            self.failed = f"{type(error).__name__}: {error}"
+            print(f"drafter learning stopped: {traceback.format_exc()}", flush=True)
+
+    def _restore(self) -> None:
+        """The rows earlier runs of this output recorded (the learner still learning): taken
+        as if they had just come, before any of this run's."""
+        from spot.drafters.trajectory import SHARD_PATTERN, Trajectories
+
+        if self.learner.done or not self.rows_dir.is_dir():
+            return
+        for shard in sorted(self.rows_dir.glob(SHARD_PATTERN)):
+            part = self._unseen(Trajectories.load(shard))
+            if part is not None:
+                self.learner.add(part)
+                self.rows_restored += part.key.unique().numel()
 
     def _take(self, part: Any) -> None:
+        part = None if self.learner.done else self._unseen(part)
+        if part is None:
+            return
+        self._shards += 1
+        part.save(self.rows_dir / f"shard-{self._run_id}-{self._shards:06d}.pt")
+        self.learner.add(part)
+
+    def _unseen(self, part: Any) -> Any:
+        """The rows of `part` not taken before (a retried or resubmitted row is recorded
+        again), marked taken; None when there are none."""
         keys = [k for k in part.key.unique().tolist() if k not in self.seen]
         if not keys:
-            return
+            return None
         self.seen.update(keys)
-        self.learner.add(part if len(keys) == part.key.unique().numel() else _of(part, keys))
+        return part if len(keys) == part.key.unique().numel() else _of(part, keys)
 
     def _after(self, done: Any) -> None:
         """Rounds are made (Spiffy's recalibration and SPOT's), their files written: hand
-        out the drafter adopted, if any; rounds.json."""
+        out the drafter adopted, if any; rounds.json. Once learning has stopped, the rows
+        kept for a resubmit go."""
         current = self.learner.current
         if current is not self._handed:
             self.version += 1
             self.handout, self._handed = self._handout(current), current
         self._write_state()
+        if self.learner.done:
+            shutil.rmtree(self.rows_dir, ignore_errors=True)
 
     def _write_state(self) -> None:
         path = self.out_dir / ROUNDS_FILE
@@ -297,10 +332,12 @@ class Learner:
 
 
 def start_learner(job: Job) -> ray.actor.ActorHandle:
-    """The job's learner actor, with the CPUs of `drafter.learning` (it trains on CPU: the
-    order model is small, and its trainer takes no device yet)."""
+    """The job's learner actor, with the CPUs and GPUs of `drafter.learning` (with a GPU, it
+    trains there: `LearnerConfig.device`)."""
     learning = job.drafter.learning
-    return Learner.options(num_cpus=learning.num_cpus, **beside_the_driver(soft=True)).remote(job)
+    return Learner.options(
+        num_cpus=learning.num_cpus, num_gpus=learning.num_gpus, **beside_the_driver(soft=True)
+    ).remote(job)
 
 
 class RowRecording:

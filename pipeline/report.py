@@ -197,9 +197,11 @@ def learning_lines(summary: dict[str, Any]) -> list[str]:
     if not learning:
         return []
     current = learning.get("current")
+    restored = learning.get("rows_restored", 0)
+    earlier = f", {restored:,} recorded by earlier runs" if restored else ""
     lines = [
         f"{learning['rows_received']:,} rows recorded ({learning['recording_seconds']:.1f} "
-        f"replica-seconds), {learning['rows']:,} taken; "
+        f"replica-seconds){earlier}, {learning['rows']:,} taken; "
         f"{'stopped' if learning['stopped'] else 'learning on at the next run'}; in use: "
         f"{'none' if current is None else current.get('file') or current['path']}"
     ]

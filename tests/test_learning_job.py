@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from spot.drafters.files import read_header
+from spot.drafters.trajectory import Trajectories
 from tests.pipeline_fixtures import run_cli
 
 # small enough that rounds happen within a few dozen rows
@@ -116,7 +117,10 @@ def test_a_learning_job_is_exact_resumable_and_its_drafter_serves_another(
     expected = {k: tokens for k, (tokens, _) in _rows(tmp_path / "free").items()}
 
     out = tmp_path / "learn"
-    first = _job(tmp_path, "learn", limit=48, temperature=temperature, drafter=_learning())
+    # SPOT's second round needs 56 rows: the first run's 48 and the resubmit's 16 together
+    first = _job(
+        tmp_path, "learn", limit=48, temperature=temperature, drafter=_learning(spot_rows=[16, 56])
+    )
     learned = run_cli("submit", str(first))
     assert learned.returncode == 0, learned.stdout[-3000:] + learned.stderr[-3000:]
     rows = _rows(out)
@@ -132,10 +136,14 @@ def test_a_learning_job_is_exact_resumable_and_its_drafter_serves_another(
     for r in rounds:
         assert (out / "drafter" / r["file"]).is_file() and r["seconds"] > 0
         assert sum(r["rows_by_slice"].values()) == r["rows"]
-    assert state["rows_received"] >= state["rows"] >= 32 and state["recording_seconds"] > 0
+    ended = _summary(out)["drafter_learning"]  # when the run ended: every row taken
+    assert ended["rows_received"] == ended["rows"] == 48 and ended["recording_seconds"] > 0
     spot = out / "drafter" / rounds[2]["file"]
     learned_from = read_header(spot)["metrics"]["learned_from"]
     assert len(sum(learned_from.values(), [])) == rounds[2]["rows"]
+    assert not ended["stopped"]  # two SPOT rounds come before the learner may stop
+    kept = Trajectories.load(out / "drafter" / "rows")  # every row taken, for a resubmit
+    assert kept.key.unique().numel() == 48
     summary = _summary(out)
     assert summary["drafter_learning"]["rounds"] == rounds
     report = CliRunner().invoke(main, ["report", str(out)])
@@ -143,9 +151,12 @@ def test_a_learning_job_is_exact_resumable_and_its_drafter_serves_another(
     assert "drafter learning:" in report.output and "1. spiffy, 8 (" in report.output
     assert "Drafter learning" in (out / "report" / "index.html").read_text()
 
-    # a resubmit with more rows starts from the last drafter handed out
+    # a resubmit with more rows starts from the last drafter handed out, and from the rows
+    # the first run recorded: its SPOT round at 56 rows comes
     current = state["current"]
-    more = _job(tmp_path, "learn", limit=64, temperature=temperature, drafter=_learning())
+    more = _job(
+        tmp_path, "learn", limit=64, temperature=temperature, drafter=_learning(spot_rows=[16, 56])
+    )
     resumed = run_cli("submit", str(more))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "48 already written, 16 to generate" in resumed.stdout
@@ -156,6 +167,11 @@ def test_a_learning_job_is_exact_resumable_and_its_drafter_serves_another(
     assert f"{current['kind']}:learned round {current['round']}" in new_labels or state["stopped"]
     again = json.loads((out / "drafter" / "rounds.json").read_text())
     assert again["rounds"][: len(rounds)] == rounds  # kept, numbering goes on
+    learning = _summary(out)["drafter_learning"]
+    assert (learning["rows_restored"], learning["rows_received"]) == (48, 16)
+    spot_rows = [r["rows"] for r in again["rounds"] if r["kind"] == "spot"]
+    assert spot_rows[0] == rounds[2]["rows"] and len(spot_rows) == 2 and spot_rows[1] >= 56
+    assert again["stopped"] == (not (out / "drafter" / "rows").exists())
     assert len(_summary(out)["runs"]) == 2
 
     if temperature == 0.0:  # a learning job that starts from a learned file
