@@ -198,6 +198,13 @@ class LearningConfig(_Section):
         description="CPUs of the learner (one Ray actor beside the replicas); it trains and "
         "measures there.",
     )
+    num_gpus: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs of the learner: with any, it trains SPOT's order model on its GPU "
+        "(a fraction shares one with replicas that leave it room, e.g. 0.2 beside replicas "
+        "of num_gpus 0.8).",
+    )
 
     @field_validator("spot_rows")
     @classmethod
@@ -211,8 +218,8 @@ class LearningConfig(_Section):
         the learner, and torch: call it where it runs, or to check the section)."""
         from spot.drafters.learning import LearnerConfig
 
-        given = self.model_dump(exclude={"num_cpus"}, exclude_none=True)
-        return LearnerConfig(**given)
+        given = self.model_dump(exclude={"num_cpus", "num_gpus"}, exclude_none=True)
+        return LearnerConfig(**given, device="cuda" if self.num_gpus else "cpu")
 
 
 class DrafterConfig(_Section):

@@ -75,3 +75,22 @@ def test_prefix_cache_on_the_gpu(on_gpu):
         assert cache.stats.bytes > 0
         [[(keys, _), *_]] = cache.lookup(shared[0].prompt[:64])
         assert keys.device.type == "cuda"
+
+
+def test_order_model_trains_on_the_gpu_and_comes_back_on_the_cpu():
+    """What a learner with a GPU does (drafter.learning.num_gpus): the same training on
+    CUDA fits as well as on the CPU, and the model it returns drafts on the CPU."""
+    from spot.drafters.training import root_samples, train_order_model
+    from tests.test_spot_drafter import SMALL, ToyTarget, record, requests
+
+    traj = record(
+        ToyTarget(seed=3, sharpness=4.0),
+        requests(24, seed=5),
+        DecodingConfig(gen_length=32, block_length=8),
+    )
+    train, held = (root_samples(t, SMALL) for t in traj.split(0.25))
+    on_cpu = train_order_model(train, held, SMALL, epochs=3, validation=held)[1]
+    model, on_gpu = train_order_model(train, held, SMALL, epochs=3, validation=held, device="cuda")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    accuracy = "heldout_next_commit_accuracy"
+    assert on_gpu[accuracy] > 0.4 and abs(on_gpu[accuracy] - on_cpu[accuracy]) < 0.05

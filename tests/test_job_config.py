@@ -340,3 +340,11 @@ def test_input_can_be_json_lines_or_a_glob(files):
     # JSON Lines ids are text
     assert plan.num_rows == 2 and plan.limited.column("key").to_pylist() == ["1", "2"]
     assert isinstance(plan.limited, pa.Table)
+
+
+def test_a_learner_with_gpus_trains_on_its_gpu():
+    from pipeline.job import LearningConfig
+
+    assert LearningConfig().learner_config().device == "cpu"
+    gpu = LearningConfig(num_gpus=0.25, epochs=2).learner_config()
+    assert (gpu.device, gpu.epochs) == ("cuda", 2)

@@ -75,6 +75,7 @@ class LearnerConfig:
     budgets: tuple[int, ...] = (2, 16)  # steps per forward reported per round
     replay_rows: int = 400  # held-out rows replayed (the first that arrived)
     seed: int = 0
+    device: str = "cpu"  # where SPOT's order model trains ("cuda": the learner's GPU)
 
     def __post_init__(self):
         if not 0 <= self.heldout_percent + self.validation_percent < 100:
@@ -364,6 +365,7 @@ class DrafterLearner:
             seed=c.seed,
             validation=root_samples(validation, config),
             model=self.model,
+            device=c.device,
         )
         metrics["objective"] = "order"
         metrics["warm_start"] = self.model is not None

@@ -142,7 +142,7 @@ def affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cache: dic
     """
     if torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    key = (weight.data_ptr(), weight._version)
+    key = (weight.device, weight.data_ptr(), weight._version)
     if cache.get("key") != key:
         cache["key"], cache["weight"] = key, weight.detach().t().contiguous()
     flat = torch.addmm(bias, x.reshape(-1, x.shape[-1]), cache["weight"])

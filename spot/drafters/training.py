@@ -49,6 +49,10 @@ class OrderSamples:
         """[N, B] bool, positions committed next."""
         return self.following[:, 0]
 
+    def to(self, device: torch.device) -> OrderSamples:
+        tensors = ("features", "masked", "following", "stale_index", "token_ids")
+        return dataclasses.replace(self, **{n: getattr(self, n).to(device) for n in tensors})
+
 
 def build_samples(
     traj: Trajectories,
@@ -253,14 +257,18 @@ def train_order_model(
     progress: Callable[[int, int, float], None] | None = None,
     validation: OrderSamples | None = None,
     model: OrderModel | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[OrderModel, dict]:
     """The order model and its held-out next-commit accuracy, trained on the likelihood of
     the commits that follow each sample (the next one from `build_samples`; the order of
     the next few from `root_samples`); with `validation` samples, the epoch (0: the
     untrained model, which is the commit rule's own guess) whose probabilities fit them best
     is kept. `model` continues training a given model (a learner's previous round): epoch 0
-    is then that model."""
+    is then that model. It trains and is measured on `device`, and comes back on the CPU."""
     model = _init(OrderModel, config, seed) if model is None else model
+    device = torch.device(device)
+    model, train, heldout = model.to(device), train.to(device), heldout.to(device)
+    validation = None if validation is None else validation.to(device)
 
     def batch_loss(idx):
         logits = model(train.features[idx], train.masked[idx])
@@ -279,7 +287,7 @@ def train_order_model(
         "train_samples": int(n),
         **_selection(scores),
     }
-    return model, metrics
+    return model.cpu(), metrics
 
 
 def _selection(scores: list[float]) -> dict:
