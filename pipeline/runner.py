@@ -121,7 +121,22 @@ def ray_session(job: Job, address: str | None) -> Iterator[None]:
     if job.drafter.learn:  # the learner's, beside them
         replica_cpus += math.ceil(job.drafter.learning.num_cpus)
     with embedded_ray(num_cpus=max(4, replica_cpus + 2)):
+        _check_gpus(job, ray.cluster_resources().get("GPU", 0.0))
         yield
+
+
+def _check_gpus(job: Job, gpus: float) -> None:
+    """An actor wanting more GPUs than the machine's Ray has would wait for them forever,
+    and the job with it: stop at once, naming the key."""
+    wanted = {"resources.num_gpus": job.resources.num_gpus}
+    if job.drafter.learn:
+        wanted["drafter.learning.num_gpus"] = job.drafter.learning.num_gpus
+    for key, count in wanted.items():
+        if count > gpus:
+            raise RuntimeError(
+                f"{key}: {count:g} GPU(s) wanted, and this machine's Ray has {gpus:g}; "
+                "set it to 0 to run on CPU, or submit to a cluster with GPUs (--address)"
+            )
 
 
 def run_job(

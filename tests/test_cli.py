@@ -454,6 +454,23 @@ def test_tensor_parallel_ranks_need_the_gpus_a_machine_has(job_file: Path, tmp_p
         assert result.exit_code == 0, result.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_gpus_the_embedded_ray_lacks_stop_the_job_at_once(job_file: Path, tmp_path: Path):
+    """A replica or a learner wanting a GPU this machine lacks would wait for it forever: the
+    run stops when Ray has started, naming the key, and writes nothing."""
+    learning = ["--set", "drafter={kind: spot, learn: true, learning: {num_gpus: 0.5}}"]
+    for key, overrides in (
+        ("resources.num_gpus", ["--set", "resources.num_gpus=1"]),
+        ("drafter.learning.num_gpus", learning),
+    ):
+        out = tmp_path / key
+        result = run_cli("submit", str(job_file), *overrides, "--set", f"output.path={out}")
+        assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+        assert f"failed: RuntimeError: {key}: " in result.stdout + result.stderr
+        assert "GPU(s) wanted, and this machine's Ray has 0" in result.stdout + result.stderr
+        assert not list((out / "data").glob("*.parquet"))
+
+
 @pytest.mark.parametrize(
     ("file", "rows", "messages", "command", "expected"),
     [
