@@ -29,7 +29,7 @@ from pipeline.cli import main
 from pipeline.fingerprint import claim_output
 from pipeline.inputs import plan_input
 from pipeline.job import parse_job
-from pipeline.lease import Lease
+from pipeline.lease import LOCK_FILE, Lease
 from pipeline.output import OutputDir, part_run, write_atomically, write_part
 from spot.builtin import resolve_builtin
 from tests.pipeline_fixtures import output_rows, run_cli, start_cli
@@ -75,7 +75,11 @@ def _keys(out: Path) -> list[tuple[str, int]]:
 
 
 def _files(root: Path) -> dict[str, int]:
-    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+    """Every file of an output and its mtime, but the lease's lock file (pipeline.lease),
+    which the first submit that takes the lease makes, and which stays."""
+    return {
+        str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != LOCK_FILE
+    }
 
 
 def _fabricated(root: Path, rows: int = 6) -> tuple[Path, Path]:
