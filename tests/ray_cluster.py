@@ -165,36 +165,48 @@ class LocalCluster:
                 process.send_signal(signal.SIGKILL)
         self.nodes[name].wait()
 
-    def stop(self) -> tuple[list[str], list[str]]:
+    def stop(self, graceful: bool = True) -> tuple[list[str], list[str]]:
         """Stop every node (workers first) and remove the cluster's folder; returns the
-        processes that outlived their node (killed then) and what was left in TMPDIR."""
+        processes that outlived their node (killed then) and what was left in TMPDIR.
+        Not `graceful`: kill every node at once (a head that has run jobs takes about 30 s
+        to stop gracefully; `tests/test_cluster_faults.py` checks that stop)."""
         everything = [p for name in self.nodes for p in self.processes(name)]
         for name in reversed(list(self.nodes)):
             node = self.nodes[name]
-            if node.poll() is None:
+            if not graceful:
+                self.kill_node(name)
+            elif node.poll() is None:
                 node.terminate()
                 try:
                     node.wait(60)
                 except subprocess.TimeoutExpired:
                     node.kill()
                     node.wait()
-        _, alive = psutil.wait_procs(everything, timeout=30)
+        alive, deadline = everything, time.monotonic() + 30
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _running(p)]
+            time.sleep(0.2 if alive else 0)
         survivors = []
         for process in alive:
-            try:
-                if process.status() == psutil.STATUS_ZOMBIE:  # ended, not yet reaped
-                    continue
+            with contextlib.suppress(psutil.NoSuchProcess):
                 survivors.append(f"{process.pid} {' '.join(process.cmdline())[:200]}")
                 process.kill()
-            except psutil.NoSuchProcess:
-                pass
         left = sorted(p.name for p in self.tmp.iterdir()) if self.tmp.is_dir() else []
         shutil.rmtree(self.folder, ignore_errors=True)
         return survivors, left
 
 
+def _running(process: psutil.Process) -> bool:
+    """Still running: neither gone nor ended and left unreaped (a zombie: where nothing
+    reaps orphans, as in some containers, waiting for it to go never ends)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @contextmanager
-def two_nodes() -> Iterator[LocalCluster]:
+def two_nodes(graceful_stop: bool = True) -> Iterator[LocalCluster]:
     """Head (2 logical CPUs, resource head_node) and worker (2 logical CPUs, resource
     worker_node): at least 2 CPUs a node, or the Parquet read's ListFiles task, which wants
     a whole CPU, can wait forever behind the replicas."""
@@ -204,7 +216,7 @@ def two_nodes() -> Iterator[LocalCluster]:
         cluster.add_node("worker", 2, {"worker_node": 1})
         yield cluster
     finally:
-        cluster.stop()
+        cluster.stop(graceful_stop)
 
 
 def _main(address: str, kind: str) -> None:

@@ -34,7 +34,7 @@ ROWS = 12
 
 @pytest.fixture(scope="module")
 def cluster():
-    with two_nodes() as cluster:
+    with two_nodes(graceful_stop=False) as cluster:  # the faults module checks a clean stop
         yield cluster
 
 
