@@ -184,6 +184,7 @@ print("after:", os.environ.get("RAY_AUTH_MODE"), "RAY_AUTH_TOKEN" in os.environ)
 """
 
 
+@pytest.mark.e2e
 def test_each_embedded_cluster_of_a_process_refuses_clients_without_the_token(tmp_path):
     """What the embedded clusters rely on in Ray (pinned in pyproject.toml): with ray imported
     under RAY_AUTH_MODE=disabled, `ray.init` of a new local cluster with the mode unset turns

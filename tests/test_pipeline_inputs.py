@@ -72,6 +72,7 @@ def plain(root: Path) -> tuple[Path, list[dict]]:
     return prompts, _rows(root / "plain")
 
 
+@pytest.mark.e2e
 def test_a_submit_reads_its_input_and_hashes_its_checkpoint_once(root, plain):
     """The job is planned (its JSON Lines parsed) and its output claimed (the checkpoint
     hashed for the fingerprint) once per submit, however many stages use them."""
@@ -79,6 +80,7 @@ def test_a_submit_reads_its_input_and_hashes_its_checkpoint_once(root, plain):
     assert calls == {"plan_input": 1, "scan_jsonl": 1, "checkpoint_identity": 1}
 
 
+@pytest.mark.e2e
 def test_json_lines_without_a_limit_keep_every_readable_row(root, plain):
     prompts, rows = plain
     by_id = {r["id"]: r for r in rows}
@@ -96,6 +98,7 @@ def test_json_lines_without_a_limit_keep_every_readable_row(root, plain):
     assert by_id["51"]["topic"] == "5"  # a column of mixed types is carried as text
 
 
+@pytest.mark.e2e
 def test_the_system_prompt_goes_before_each_prompt(root, plain):
     _, rows = plain
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
