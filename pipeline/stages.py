@@ -27,6 +27,7 @@ from pipeline.job import InputConfig, Job
 from pipeline.output import OutputDir, row_keys, write_part
 from pipeline.progress import table_counts
 from pipeline.schema import ID, INPUT_DIGEST, MESSAGES, PROMPT, ROW_ERROR, SAMPLE_INDEX
+from pipeline.text import detokenize_rows, load_tokenizer, tokenize_rows
 
 # Blocks are what replicas are handed and what part files hold: enough of them that every
 # replica gets work and a crash loses little, few enough that part files stay large.
@@ -207,14 +208,10 @@ class TokenizeStage:
     (`pipeline.text.tokenize_rows`); the tokenizer is loaded once per actor."""
 
     def __init__(self, job: Job):
-        from pipeline.text import load_tokenizer
-
         self.job = job
         self.tokenizer = load_tokenizer(job)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pipeline.text import tokenize_rows
-
         return tokenize_rows(self.tokenizer, self.job.input, batch)
 
 
@@ -225,15 +222,11 @@ class DetokenizeStage:
     batch's own name), so the totals end as the rows are written."""
 
     def __init__(self, job: Job, progress: ray.actor.ActorHandle | None = None):
-        from pipeline.text import load_tokenizer
-
         self.job = job
         self.tokenizer = load_tokenizer(job)
         self.progress = progress  # a pipeline.progress.ProgressCounter
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pipeline.text import detokenize_rows
-
         out = detokenize_rows(self.tokenizer, self.job.decoding.stop, batch)
         if self.progress is not None and self.job.decoding.stop:
             cut = _total(batch, "num_generated_tokens") - _total(out, "num_generated_tokens")
