@@ -70,6 +70,23 @@ def test_replay_counts_the_decoders_own_forwards(nano, temperature):
         assert replayed.stops["end"] + replayed.stops["no draft"] >= len(requests)
 
 
+def test_a_drafter_reading_hidden_states_replays_from_a_recording_that_kept_them(nano):
+    """SPOT-Sets reads the stale forward's hidden states: replayed on a recording that kept
+    them, it counts the decoder's own forwards; on one without them it is refused."""
+    target, requests = nano
+    requests = requests[:6]
+    config = DecodingConfig(gen_length=32, block_length=16, rule="threshold", threshold=0.9)
+    path = builtin_drafter("sdar-nano", "spot-sets", 16, "threshold")
+    drafter = load_drafter("spot-sets", path, 8, target)
+    results = generate(target, requests, config, drafter=drafter, max_active=3)
+    traj = record_trajectories(target, requests, config, batch_size=3, hidden=True)
+    replayed = replay(drafter, traj, ReplayTarget.of(target))
+    assert replayed.forwards == {r.key: x.stats.nfe for r, x in zip(requests, results)}
+    plain = record_trajectories(target, requests[:1], config, batch_size=1)
+    with pytest.raises(ValueError, match="hidden states"):
+        replay(drafter, plain, ReplayTarget.of(target))
+
+
 def _recorded(target, requests, config=CONFIG):
     """Trajectories of `requests` as a job hands them over: recorded by the decode loop's
     trace while it decodes (here with a drafter: recording takes no forward of its own)."""

@@ -76,7 +76,12 @@ def stale_logits(top_logprobs: torch.Tensor, top_ids: torch.Tensor, vocab: int) 
 
 def replay(drafter: Drafter, traj, target: ReplayTarget, keep_walks: bool = True) -> Replay:
     """Replay decoding every request of `traj` (a `Trajectories`) one at a time with
-    `drafter` (its own budget)."""
+    `drafter` (its own budget). A drafter that reads hidden states needs a recording that
+    kept them."""
+    if drafter.needs_hidden and traj.hidden is None:
+        raise ValueError(
+            f"{type(drafter).__name__} reads the target's hidden states; this recording has none"
+        )
     traj = traj.canonical()  # each request's records together, in step order
     config = recorded_decoding(traj.meta)
     confidence = traj.meta.get("confidence", "tempered")
@@ -134,7 +139,7 @@ def _replay_request(drafter, traj, s, e, target, config, confidence, out, keep_w
                 stale_logits(
                     traj.top_logprobs[s + stale], traj.top_ids[s + stale], target.vocab_size
                 ),
-                None,
+                traj.hidden[s + stale] if drafter.needs_hidden else None,
                 key,
                 config,
                 confidence,
