@@ -50,8 +50,15 @@ class OrderSamples:
         return self.following[:, 0]
 
     def to(self, device: torch.device) -> OrderSamples:
-        tensors = ("features", "masked", "following", "stale_index", "token_ids")
-        return dataclasses.replace(self, **{n: getattr(self, n).to(device) for n in tensors})
+        """The same samples with every tensor on `device`."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 def build_samples(
