@@ -136,6 +136,14 @@ class State:
             and bool(torch.equal(self.span, other.span))
         )
 
+    @cached_property
+    def key(self) -> tuple:
+        """What `same_as` compares, and the step, hashable: one lookup finds a state among a
+        tree's. The step counts too: the threshold rule reaches one block in different
+        numbers of steps, and the next transition depends on the step (its coupled noise,
+        the static rule's schedule)."""
+        return (self.origin, self.step, self.done, tuple(self.span.tolist()))
+
 
 def advance(layout: Layout, state: State, next_block: torch.Tensor) -> State:
     """The state after one transition that turned the current block into `next_block` [B].
@@ -173,21 +181,34 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parent) if p == node]
 
+    def find(self, state: State) -> int | None:
+        """The first node whose state is `state`, or None."""
+        return self._index.get(state.key)
+
+    @cached_property
+    def _index(self) -> dict[tuple, int]:
+        index: dict[tuple, int] = {}
+        for i, node in enumerate(self.nodes):
+            index.setdefault(node.key, i)
+        return index
+
 
 def verify_walk(tree: DraftTree, successor: Sequence[State]) -> list[int]:
     """The accepted path from the root.
 
     successor[i] is the target's exact next state from node i (from node i's logits and the
-    coupled noise of its step). Starting at the root, move to the first child equal to the
-    current node's successor; stop when there is none. The next root is
-    successor[path[-1]]; the steps advanced are len(path).
+    coupled noise of its step). Starting at the root, move to the node equal to the current
+    node's successor; stop when there is none. That node is usually a child, but any node
+    serves: every node is scored on its own, so a state drafted on another branch (the same
+    commits reached in another order) is the target's next state as much as a child would
+    be. The next root is successor[path[-1]]; the steps advanced are len(path).
     """
     path = [0]
     while True:
         nxt = successor[path[-1]]
         if nxt.done:
             return path
-        match = next((c for c in tree.children(path[-1]) if tree.nodes[c].same_as(nxt)), None)
+        match = tree.find(nxt)
         if match is None:
             return path
         path.append(match)

@@ -5,6 +5,7 @@ must also save forwards.
 """
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -211,6 +212,63 @@ def test_spot_ranks_a_whole_tree_from_one_evaluation_of_the_root():
     assert model.calls == 1
 
 
+def test_a_state_two_orders_reach_is_drafted_once_and_the_budget_drafts_another():
+    # scores rank 2 > 0 > 1 with 0 close behind: "2 then 0" and "0 then 2" reach one state
+    inp = _hand_built_input([9.0, 9.0, 9.0, 9.0], rest=-9.0)
+    model = _FixedOrder([1.9, 0.0, 2.0, 5.0])
+    tree = _one_tree(SpotDrafter(model, budget=5, branching=3), inp)
+    blocks = [n.block(4).tolist() for n in tree.nodes]
+    assert blocks == [
+        [11, 11, 11, 6],
+        [11, 11, 5, 6],  # position 2
+        [3, 11, 11, 6],  # position 0
+        [3, 11, 5, 6],  # 2 then 0
+        [3, 4, 5, 6],  # 2, 0 then 1
+        [11, 4, 11, 6],  # 0 then 2, next in line, is the state above: position 1 instead
+    ]
+    assert tree.parent == (-1, 0, 0, 1, 3, 0)
+
+
+def test_spiffy_drafts_a_repeated_state_once_and_fills_its_budget_past_it():
+    # ranks 2 > 0 > 1; (0,0),(0,0) and (1,0),(0,0) both commit positions 2 and 0
+    inp = _hand_built_input([2.0, 1.0, 3.0, 4.0])
+    paths = (((0, 0),), ((1, 0),), ((0, 0), (0, 0)), ((1, 0), (0, 0)), ((2, 0),))
+    graph = DraftGraph(paths, (9, 6, 5, 4, 3), {})
+    tree = _one_tree(SpiffyDrafter(graph, budget=4), inp)
+    assert [n.block(4).tolist() for n in tree.nodes] == [
+        [11, 11, 11, 6],
+        [11, 11, 5, 6],  # (0, 0): position 2
+        [3, 11, 11, 6],  # (1, 0): position 0
+        [3, 11, 5, 6],  # (0, 0), (0, 0); (1, 0), (0, 0) is the same state
+        [11, 4, 11, 6],  # so the budget's fourth node is the next path's, (2, 0)
+    ]
+    assert tree.parent == (-1, 0, 0, 1, 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_no_tree_holds_a_state_twice(temperature):
+    """Seeded: trees of both drafters on a toy target's real decoding, at every step."""
+    target = ToyTarget(seed=5, sharpness=1.0)
+    config = DecodingConfig(gen_length=16, block_length=8, temperature=temperature, seed=2)
+    plain = generate(target, requests(3, seed=4), config)
+    formulas = [(i, 0) for i in range(3)]  # any of the 3 most confident, 1 to 3 deep
+    paths = [p for d in (1, 2, 3) for p in itertools.product(formulas, repeat=d)]
+    graph = DraftGraph(tuple(paths), tuple(100 - 10 * len(p) for p in paths), {"rule": "static"})
+    for drafter in (SpotDrafter(OrderModel(SMALL), budget=12), SpiffyDrafter(graph, budget=12)):
+        trees: list = []
+        drafted = generate(
+            target,
+            requests(3, seed=4),
+            config,
+            drafter=drafter,
+            on_walk=lambda i, tree, path, trees=trees: trees.append(tree),
+        )
+        assert [r.tokens.tolist() for r in drafted] == [r.tokens.tolist() for r in plain]
+        for tree in trees:
+            keys = [n.key for n in tree.nodes]
+            assert len(keys) == len(set(keys))
+
+
 def test_drafted_tokens_at_zero_temperature_are_the_commit_rules_never_the_mask():
     # the mask token (11) tops position 0's stale logits: the rule takes the runner-up, token 3
     inp = _hand_built_input([9.0, 9.0, 9.0, 9.0], rest=-9.0)
@@ -378,8 +436,14 @@ def test_spiffy_budget_takes_the_most_frequent_paths_and_predicts_its_acceptance
     paths = (((0, 0),), ((1, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
     graph = DraftGraph(paths, (80, 10, 60, 30), {"records": 100, "rule": "static"})
     drafter = SpiffyDrafter(graph, budget=2)
-    assert drafter.graph(drafter.budget).paths == (((0, 0),), ((0, 0), (0, 0)))
-    assert drafter.graph(3).paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
+    assert graph.most_frequent(drafter.budget).paths == (((0, 0),), ((0, 0), (0, 0)))
+    assert graph.most_frequent(3).paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
+    assert graph.most_frequent(3, parents_first=False).paths == (
+        ((0, 0),),
+        ((0, 0), (0, 0)),
+        ((0, 0), (0, 0), (0, 0)),
+    )
+    assert drafter.ranked == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)), ((1, 0),))
     assert drafter.budget == 2 and SpiffyDrafter(graph, budget=9).budget == 4
     curve = graph.acceptance_curve([0, 1, 2, 3, 4])
     assert curve.steps_per_forward == (1.0, 1.8, 2.4, 2.7, 2.8)

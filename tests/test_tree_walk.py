@@ -40,6 +40,27 @@ def test_walk_follows_the_matching_branch():
     assert (nxt.step, nxt.block_step, nxt.done) == (4, 0, False)
 
 
+def test_walk_takes_a_state_drafted_on_another_branch():
+    """The target commits position 1 then 2; the tree drafted {1, 2} only below {2}: every
+    node is scored on its own, so that node serves the walk from {1} as well."""
+    lay = layout()
+    root = state([5, M, M, M], step=1, block_step=1)
+    one = advance(lay, root, torch.tensor([5, 7, M, M]))
+    two = advance(lay, root, torch.tensor([5, M, 9, M]))
+    both = advance(lay, two, torch.tensor([5, 7, 9, M]))
+    tree = DraftTree((root, one, two, both), (-1, 0, 0, 2))
+    successor = [
+        one,
+        advance(lay, one, torch.tensor([5, 7, 9, M])),  # == both, drafted below `two`
+        advance(lay, two, torch.tensor([5, 8, 9, M])),
+        advance(lay, both, torch.tensor([5, 7, 9, 3])),
+    ]
+    assert verify_walk(tree, successor) == [0, 1, 3]
+    # the same block reached in more steps is another state (its next step draws other noise)
+    later = State(both.origin, both.span, both.step + 1, both.block_step + 1)
+    assert tree.find(later) is None and tree.find(both) == 3
+
+
 def test_walk_stops_at_root_when_nothing_matches():
     lay = layout()
     root = state([M, M, M, M])

@@ -151,8 +151,7 @@ def _replay_request(drafter, traj, s, e, target, config, confidence, out, keep_w
             if nxt.done:
                 stop = "no draft" if len(tree.nodes) == 1 else "end"
                 break
-            children = tree.children(node)
-            match = next((c for c in children if tree.nodes[c].same_as(nxt)), None)
+            match = tree.find(nxt)  # as `spot.tree.verify_walk` does
             if match is None:
                 stop = walk_stop(tree, node, traj.committed[s + root + k], target.mask_id)
                 break

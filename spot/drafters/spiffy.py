@@ -54,11 +54,13 @@ class DraftGraph:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(body, indent=1))
 
-    def most_frequent(self, budget: int) -> DraftGraph:
+    def most_frequent(self, budget: int, parents_first: bool = True) -> DraftGraph:
         """The graph calibration would have kept with a smaller budget: its `budget` most
-        frequent paths (prefix-closed, since a path never counts more than its parent)."""
+        frequent paths (prefix-closed, since a path never counts more than its parent), in
+        the order of their paths (parents first) or of their counts (most frequent first;
+        a parent still before its children)."""
         ranked = sorted(range(len(self.paths)), key=lambda i: (-self.counts[i], len(self.paths[i])))
-        kept = sorted(ranked[:budget])
+        kept = sorted(ranked[:budget]) if parents_first else ranked[:budget]
         return DraftGraph(
             tuple(self.paths[i] for i in kept), tuple(self.counts[i] for i in kept), self.meta
         )
@@ -157,8 +159,9 @@ def calibrate(traj: Trajectories, budget: int, max_depth: int = 8) -> DraftGraph
 
 
 class SpiffyDrafter(BudgetedDrafter):
-    """Applies a calibrated draft graph to each root. `budget` drafts its most frequent
-    paths (all of them when None); `keep` enables dynamic pruning."""
+    """Applies a calibrated draft graph to each root. `budget` drafts that many nodes (all of
+    the graph's paths when None), from its most frequent paths down; `keep` enables dynamic
+    pruning."""
 
     rules = SPIFFY_RULES
 
@@ -166,23 +169,17 @@ class SpiffyDrafter(BudgetedDrafter):
         self.calibrated = graph
         self.budget = len(graph.paths) if budget is None else min(budget, len(graph.paths))
         self.keep = keep
-        self._graphs: dict[int, DraftGraph] = {}  # budget -> its most frequent paths
-
-    def graph(self, budget: int) -> DraftGraph:
-        """The calibrated graph's `budget` most frequent paths (made once per budget)."""
-        if budget not in self._graphs:
-            self._graphs[budget] = self.calibrated.most_frequent(budget)
-        return self._graphs[budget]
+        # most frequent first; a path never counts more than its prefix, so parents come first
+        self.ranked = graph.most_frequent(len(graph.paths), parents_first=False).paths
 
     def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
-        graph = self.graph(budget)
-        return [self._tree(inp, noise, graph) for inp in inputs]
+        return [self._tree(inp, noise, budget) for inp in inputs]
 
     @property
     def rule(self) -> str:
         return self.calibrated.meta.get("rule", "static")
 
-    def _tree(self, inp: DraftInput, noise: StepNoise, graph: DraftGraph) -> DraftTree:
+    def _tree(self, inp: DraftInput, noise: StepNoise, budget: int) -> DraftTree:
         layout = inp.layout
         b = layout.block_length
         root = inp.root
@@ -200,11 +197,14 @@ class SpiffyDrafter(BudgetedDrafter):
             stale_probs = torch.softmax(inp.stale_logits.double(), dim=-1)
         ranked_tokens = None
         index: dict[Path_, int] = {(): 0}
+        seen = {root.key: 0}  # State.key -> node
         nodes: list[State] = [root]
         parent = [-1]
         log_prob = [0.0]
         drafted = [0]  # tokens drafted from the root
-        for path in graph.paths:
+        for path in self.ranked:
+            if len(nodes) > budget:
+                break
             up = index.get(path[:-1])
             if up is None or nodes[up].done or nodes[up].block_start(b) != root.block_start(b):
                 continue
@@ -233,8 +233,13 @@ class SpiffyDrafter(BudgetedDrafter):
                 positions = ranks[:size]
             child_block = block.clone()
             child_block[positions] = tokens[positions]
-            index[path] = len(nodes)
-            nodes.append(advance(layout, node, child_block))
+            child = advance(layout, node, child_block)
+            # a state two paths reach (the same commits in another order) is one node: the
+            # walk finds it from either (`spot.tree.verify_walk`), and the budget drafts more
+            index[path] = seen.setdefault(child.key, len(nodes))
+            if index[path] != len(nodes):
+                continue
+            nodes.append(child)
             parent.append(up)
             if stale_probs is not None:
                 at = (positions.to(stale_probs.device), tokens[positions].to(stale_probs.device))

@@ -48,6 +48,9 @@ class _Growing:
     # (-priority, tie-break, parent, positions, token choice, score before the tokens)
     heap: list[tuple[float, int, int, tuple[int, ...], int, float]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
+    # State.key -> node: a state reached again (the same commits in another order) is not
+    # drafted twice; the walk finds it wherever it is (`spot.tree.verify_walk`)
+    index: dict[tuple, int] = field(default_factory=dict)
     rows: dict[int, object] = field(default_factory=dict)  # read model row per evaluated node
     source: dict[int, int] = field(default_factory=dict)  # node -> evaluated node whose row it uses
     drawn: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
@@ -160,7 +163,7 @@ class BestFirstDrafter(BudgetedDrafter):
                 fresh = 0  # nodes of this round that need the model
                 while fresh < self.per_round and len(g.nodes) - 1 < budget and g.heap:
                     node = self._expand(g)
-                    if not self._in_stale_block(g, g.nodes[node]):
+                    if node is None or not self._in_stale_block(g, g.nodes[node]):
                         continue
                     evaluated = g.source[g.parent[node]]
                     if (
@@ -199,7 +202,16 @@ class BestFirstDrafter(BudgetedDrafter):
         stale_masked = inp.stale_state.block(b) == inp.layout.mask_id
         root_masked = (inp.root.block(b) == inp.layout.mask_id).tolist()
         return _Growing(
-            inp, noise, top_logprobs, top_ids, stale_masked, [inp.root], [-1], [0.0], [root_masked]
+            inp,
+            noise,
+            top_logprobs,
+            top_ids,
+            stale_masked,
+            [inp.root],
+            [-1],
+            [0.0],
+            [root_masked],
+            index={inp.root.key: 0},
         )
 
     def _node_features(self, g: _Growing, n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,8 +236,9 @@ class BestFirstDrafter(BudgetedDrafter):
         )
         return feats, masked[None]
 
-    def _expand(self, g: _Growing) -> int:
-        """Pop the best candidate and add its state as a node; returns the node index."""
+    def _expand(self, g: _Growing) -> int | None:
+        """Pop the best candidate and add its state as a node; returns the node index, or
+        None when the tree holds that state already."""
         _, _, parent, positions, choice, base = heapq.heappop(g.heap)
         node = g.nodes[parent]
         tokens, log_conf = g.ranked(node.step, choice)
@@ -234,7 +247,10 @@ class BestFirstDrafter(BudgetedDrafter):
         for p in positions:
             block[p] = tokens[p]
             masked[p] = False
-        g.nodes.append(advance(g.inp.layout, node, block))
+        state = advance(g.inp.layout, node, block)
+        if g.index.setdefault(state.key, len(g.nodes)) != len(g.nodes):
+            return None
+        g.nodes.append(state)
         g.parent.append(parent)
         g.score.append(base + sum(log_conf[p] for p in positions))
         g.masked.append(masked)
