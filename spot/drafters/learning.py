@@ -52,7 +52,9 @@ class LearnerConfig:
     heldout_percent: int = 10  # of rows (by request key): measures every drafter
     validation_percent: int = 10  # of rows: picks SPOT's epoch
     spiffy_rows: int = 64  # rows before Spiffy's first calibration
-    spiffy_budget: int = 16  # draft graph paths (Spiffy's D)
+    # draft graph paths kept (Spiffy's D): more than the largest budget, so that a tree
+    # whose paths reach one state twice drafts the next paths in their place
+    spiffy_budget: int = 64
     spiffy_depth: int = 8
     # rows recorded at each SPOT round: the first when the `order` objective starts to pay,
     # then each time the rows double (§5.4: each doubling worth about half the one before)
