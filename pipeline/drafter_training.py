@@ -361,7 +361,13 @@ def train_command(
 @click.command("calibrate-spiffy")
 @_trajectories_option
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
-@click.option("--budget", default=16, show_default=True, help="draft graph nodes (Spiffy's D)")
+@click.option(
+    "--budget",
+    default=64,
+    show_default=True,
+    help="draft graph paths kept (Spiffy's D); a tree takes them from the most frequent down "
+    "until the decoding budget's nodes are drafted",
+)
 @click.option("--depth", default=8, show_default=True)
 def calibrate_command(trajectories, out, budget, depth):
     """Calibrate Spiffy's draft graph on traced draft-free trajectories."""

@@ -36,12 +36,12 @@ for target in ${TARGETS:-sdar-tiny sdar-nano llada-tiny}; do
     $CLI train-drafter --kind spot --trajectories "$static" --model "builtin:$target" \
       --out "$out/spot-b$block.safetensors" --epochs "$EPOCHS" --objective "${OBJECTIVE:-order}"
     $CLI calibrate-spot --drafter "$out/spot-b$block.safetensors" --model "builtin:$target"
-    $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 16
+    $CLI calibrate-spiffy --trajectories "$static" --out "$out/spiffy-b$block.json" --budget 64
     threshold=$WORK/$target-b$block-threshold.pt
     $CLI record-trajectories --model "builtin:$target" --out "$threshold" --hidden \
       --block-length "$block" --gen-length "$GEN" --prompts "$THRESHOLD_PROMPTS" \
       --rule threshold --threshold 0.9
-    $CLI calibrate-spiffy --trajectories "$threshold" --budget 16 \
+    $CLI calibrate-spiffy --trajectories "$threshold" --budget 64 \
       --out "$out/spiffy-b$block-threshold.json"
     $CLI train-drafter --kind spot-sets --trajectories "$threshold" --model "builtin:$target" \
       --out "$out/spot-sets-b$block-threshold.safetensors" --epochs "$EPOCHS"
