@@ -266,12 +266,6 @@ class Engine:
         for call in changed:
             self.on_progress(call.name, tuple(call.counts))
 
-    @property
-    def measured_cost(self) -> ForwardCost | None:
-        """The target's forward cost on this machine when a learning job's budget is auto
-        (what its learner weighs new drafters with), else None."""
-        return self._cost
-
     def use_drafter(self, kind: str | None, load: DrafterLoader, label: str) -> None:
         """Hand a new drafter to the decode loop, which takes it at its next iteration (a
         job that learns its drafter; tokens stay the target's own, `DrafterSlot`). `load`

@@ -182,23 +182,16 @@ class LearnerState:
         return Handout(self.version, done.kind, label, path.suffix.lstrip("."), data)
 
     # -- what replicas and the driver call ----------------------------------------------
-    def add(
-        self, parts: list[Any], replay_target: Any, seconds: float, throughput: Any = None
-    ) -> None:
+    def add(self, parts: list[Any], replay_target: Any, seconds: float) -> None:
         """Trajectories of finished rows (`Trajectories`, any number of rows each), what of
-        the target a replay needs (`ReplayTarget`), the replica's seconds spent recording
-        them and, with budget auto, its (forward cost, batch size): the learner then adopts
-        drafters for their steps per second (`spot.drafters.learning.Throughput`)."""
-        from spot.drafters.learning import Throughput
-
+        the target a replay needs (`ReplayTarget`) and the replica's seconds spent recording
+        them."""
         with self._wake:
             self.recording_seconds += seconds
             self.rows_received += len(parts)
             if self.learner.done:
                 return
             self.learner.target = self.learner.target or replay_target
-            if throughput is not None and self.learner.throughput is None:
-                self.learner.throughput = Throughput(*throughput)
             self.inbox += parts
             self._wake.notify()
 
@@ -328,10 +321,8 @@ class Learner:
     def __init__(self, job: Job):
         self.state = LearnerState(job)
 
-    def add(
-        self, parts: list[Any], replay_target: Any, seconds: float, throughput: Any = None
-    ) -> None:
-        self.state.add(parts, replay_target, seconds, throughput)
+    def add(self, parts: list[Any], replay_target: Any, seconds: float) -> None:
+        self.state.add(parts, replay_target, seconds)
 
     def latest(self, version: int) -> dict[str, Any]:
         return self.state.latest(version)
@@ -363,9 +354,6 @@ class RowRecording:
         target, config = engine.target, engine.config
         self.meta = recording_meta(config, target, 1)
         self.replay_target = ReplayTarget.of(target)
-        # with budget auto, the learner judges drafters by the steps per second they bring here
-        self.cost = engine.measured_cost
-        self.batch_size = engine.job.resources.batch_size
         self.block_length = config.block_length
         self.mask_id = target.mask_id
         self.rows_per_send = engine.job.resources.batch_size
@@ -402,8 +390,7 @@ class RowRecording:
             parts, self._buffer = self._buffer, []
             seconds, self._sent_seconds = self.seconds - self._sent_seconds, self.seconds
         if parts:
-            throughput = None if self.cost is None else (self.cost, self.batch_size)
-            self.learner.add.remote(parts, self.replay_target, seconds, throughput)
+            self.learner.add.remote(parts, self.replay_target, seconds)
 
 
 class TimedTrace:

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from pipeline.drafter_data import encode, load_model_and_tokenizer
-from spot.budget import AcceptanceCurve, ForwardCost
 from spot.builtin import builtin_drafter
 from spot.config import DecodingConfig
 from spot.decode import generate
 from spot.drafters.files import read_header
-from spot.drafters.learning import DrafterLearner, LearnerConfig, Throughput, slice_of
+from spot.drafters.learning import DrafterLearner, LearnerConfig, slice_of
 from spot.drafters.order_model import stale_top
 from spot.drafters.recipes import record_trajectories, recording_meta
 from spot.drafters.registry import acceptance_curve, load_drafter, load_order_model
@@ -180,44 +179,6 @@ def test_learner_rounds_files_and_stop(nano, tmp_path):
 
 def model_scale(drafter) -> float:
     return float(drafter.model.prior_scale)
-
-
-def test_throughput_takes_the_best_budget_with_the_drafters_own_time():
-    # a forward costs 1 s up to 8 states, 1.2 s at 16, 2 s at 40; batch 8
-    cost = ForwardCost((8, 16, 40), (1.0, 1.2, 2.0))
-    speed = Throughput(cost, batch_size=8)
-    curve = AcceptanceCurve((0, 1, 4), (1.0, 1.5, 2.5))
-    assert speed.steps_per_second(None, {}) == 8.0  # draft-free: 8 steps a second
-    # budget 1: 16 states, 1.5 x 8 / (1.2 + 8 x 0.01) = 9.375 steps a second, the best;
-    # budget 4: 40 states, 2.5 x 8 / (2 + 8 x 0.1) = 7.1
-    assert speed.steps_per_second(curve, {1: 0.01, 4: 0.1}) == pytest.approx(9.375)
-    # between measured budgets the drafter's seconds are interpolated: 0.04 at budget 2
-    wide = AcceptanceCurve((0, 2), (1.0, 2.4))
-    assert speed.steps_per_second(wide, {1: 0.01, 4: 0.1}) == pytest.approx(
-        2.4 * 8 / (cost(24) + 8 * 0.04)
-    )
-    # a drafter that takes a second a proposal is slower than drafting nothing
-    assert speed.steps_per_second(curve, {1: 1.0, 4: 1.0}) == 8.0
-
-
-@pytest.mark.parametrize("forward_seconds", [1e-9, 1.0])
-def test_with_budget_auto_the_learner_adopts_what_brings_more_steps_per_second(
-    nano, tmp_path, forward_seconds
-):
-    """Where a forward costs next to nothing, drafting only loses time: no drafter is
-    handed out. Where it costs a second, drafting is free beside it: the drafter that saves
-    forwards is adopted, as without `budget: auto`."""
-    target, requests = nano
-    config = LearnerConfig(spiffy_rows=8, budgets=(2, 4), decision_budget=4, replay_rows=8)
-    learner = DrafterLearner(ReplayTarget.of(target), tmp_path, config, "builtin:sdar-nano")
-    learner.throughput = Throughput(ForwardCost((1, 100), (forward_seconds,) * 2), 8)
-    learner.add(_recorded(target, requests[:24]))
-    spiffy = learner.learn()
-    assert spiffy.after[4] > 1.0  # it saves forwards either way
-    speed = spiffy.metrics
-    assert speed["auto_steps_per_second_before"] == pytest.approx(8 / forward_seconds)
-    assert spiffy.adopted == (forward_seconds == 1.0)
-    assert (learner.current is spiffy) == spiffy.adopted
 
 
 def test_learner_refuses_rows_of_another_decoding(nano, tmp_path):

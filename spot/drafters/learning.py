@@ -14,10 +14,8 @@ no more). `DrafterLearner` takes those trajectories as they come and:
 4. measures each new drafter on the held-out rows by replaying the decode loop over their
    recorded trajectories (`spot.drafters.replay`: the forwards the decoder would take, no
    target forward) beside the drafter in use, hands it out only when it takes fewer
-   forwards at the decision budget (with `budget: auto`, only when it brings more steps
-   per second at the best budget, its own drafting time counted: `Throughput`), and stops
-   after a round whose gain over the last one says the next doubling, worth about half as
-   much (§5.4), will not pay.
+   forwards at the decision budget, and stops after a round whose gain over the last one
+   says the next doubling, worth about half as much (§5.4), will not pay.
 
 Each round writes a drafter file in the format its kind's registry entry reads (a job can
 name it in `drafter.path`), with the request keys it learned from and its held-out figures.
@@ -33,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from spot.budget import CURVE_BUDGETS, AcceptanceCurve, ForwardCost
+from spot.budget import CURVE_BUDGETS
 from spot.drafters.files import save_order_model
 from spot.drafters.order_model import OrderModel, OrderModelConfig
 from spot.drafters.registry import load_drafter
-from spot.drafters.replay import Replay, ReplayTarget, replay
+from spot.drafters.replay import ReplayTarget, replay
 from spot.drafters.spiffy import DraftGraph, SpiffyDrafter, count_paths, graph_from_counts
 from spot.drafters.spot import SpotDrafter
 from spot.drafters.training import root_samples, train_order_model
@@ -86,45 +84,6 @@ class LearnerConfig:
             raise ValueError("heldout_percent + validation_percent must stay below 100")
         if self.decision_budget not in self.budgets:
             raise ValueError(f"decision_budget {self.decision_budget} must be one of budgets")
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """What `budget: auto` can make of a drafter where the job decodes: the steps per
-    second of its best budget (0 included) at the replicas' batch size, from its acceptance
-    curve on the held-out rows, the target's forward cost a replica measured, and the
-    drafter's own seconds per proposal measured while replaying. On a CPU a drafter that
-    saves forwards at a large budget can be slower than a cheaper one at a small budget,
-    which is what `auto` will then run. The replay proposes one request at a time: a
-    drafter whose cost a batch shares is judged a little slow."""
-
-    cost: ForwardCost
-    batch_size: int
-
-    def steps_per_second(self, curve: AcceptanceCurve | None, seconds: dict[int, float]) -> float:
-        """curve: steps per forward by budget (None: draft-free); seconds: the drafter's
-        seconds per proposal at the budgets they were measured at, interpolated between."""
-        n = self.batch_size
-        best = n / self.cost(n)
-        if curve is None:
-            return best
-        measured = sorted(seconds.items())
-        for budget, steps in zip(curve.budgets, curve.steps_per_forward):
-            if budget == 0:
-                continue
-            drafting = _interpolated(measured, budget)
-            best = max(best, steps * n / (self.cost(n * (budget + 1)) + n * drafting))
-        return best
-
-
-def _interpolated(points: list[tuple[int, float]], x: int) -> float:
-    """Piecewise linear through sorted (x, y) points, flat past either end."""
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -197,8 +156,6 @@ class DrafterLearner:
         self.current: Round | None = None
         self.model: OrderModel | None = start  # the last SPOT round's order model
         self.stopped = False
-        # with `budget: auto`: drafters are adopted for their steps per second, not forwards
-        self.throughput: Throughput | None = None
 
     # -- taking rows ---------------------------------------------------------------------
 
@@ -279,15 +236,6 @@ class DrafterLearner:
         result = replay(drafter, held, self.target)
         return result.steps_per_forward, result
 
-    def _steps_per_second(self, replays: dict[int, Replay | None]) -> float:
-        """`Throughput`'s figure for a drafter from its replays at `budgets` (None: none)."""
-        largest = replays[max(replays)]
-        if largest is None:
-            return self.throughput.steps_per_second(None, {})
-        curve = largest.curve([b for b in CURVE_BUDGETS if b <= max(replays)])
-        seconds = {b: r.seconds_per_proposal for b, r in replays.items()}
-        return self.throughput.steps_per_second(curve, seconds)
-
     def _in_use(self, budget: int) -> BudgetedDrafter | None:
         """The drafter handed out, as a job loads it (neither kind reads the target)."""
         r = self.current
@@ -306,22 +254,16 @@ class DrafterLearner:
         last = None
         if kind == SPOT and spots:  # what the rows since the last SPOT round bought
             last = load_drafter(SPOT, spots[-1].path, c.decision_budget, None)
-        replays: dict[str, dict[int, Replay | None]] = {"before": {}, "after": {}}
         with torch.inference_mode():
             for budget in c.budgets:
-                before[budget], replays["before"][budget] = self._steps(in_use[budget], held)
+                before[budget], _ = self._steps(in_use[budget], held)
                 after[budget], result = self._steps(drafter_at(budget), held)
-                replays["after"][budget] = result
                 if budget == max(c.budgets):
                     curve = result.curve([b for b in CURVE_BUDGETS if b <= budget]).to_dict()
             if last is not None:
                 gain = after[c.decision_budget] / self._steps(last, held)[0] - 1
                 metrics = metrics | {"gain_over_last_spot": gain}
         adopted = after[c.decision_budget] > before[c.decision_budget]
-        if self.throughput is not None:
-            speed = {name: self._steps_per_second(r) for name, r in replays.items()}
-            metrics = metrics | {"auto_steps_per_second_" + k: v for k, v in speed.items()}
-            adopted = speed["after"] > speed["before"]
         learned_from = {name: list(keys) for name, keys in self.keys.items()}
         metrics = metrics | {
             "rows": self.rows,

@@ -15,7 +15,6 @@ decodes.
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -52,16 +51,10 @@ class Replay:
     steps: dict[int, int] = field(default_factory=dict)  # request key -> transitions
     stops: Counter = field(default_factory=Counter)
     walks: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
-    proposals: int = 0  # trees the drafter was asked for (a forward with stale logits)
-    draft_seconds: float = 0.0  # the drafter's time on them, one request at a time
 
     @property
     def steps_per_forward(self) -> float:
         return sum(self.steps.values()) / max(1, sum(self.forwards.values()))
-
-    @property
-    def seconds_per_proposal(self) -> float:
-        return self.draft_seconds / max(1, self.proposals)
 
     def curve(self, budgets) -> AcceptanceCurve:
         """Steps per forward at each budget (each tree's first D drafted nodes), as the
@@ -151,10 +144,7 @@ def _replay_request(drafter, traj, s, e, target, config, confidence, out, keep_w
                 config,
                 confidence,
             )
-            start = time.perf_counter()
             tree = drafter.propose([inp], noise, 1)[0]
-            out.draft_seconds += time.perf_counter() - start
-            out.proposals += 1
         path, node, k = [0], 0, 0
         while True:
             nxt = _successor(states, root + k, layout, traj, s)
