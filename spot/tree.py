@@ -129,17 +129,12 @@ class State:
         return self.origin + self.span.numel() - block_length
 
     def same_as(self, other: State) -> bool:
-        return (
-            self.origin == other.origin
-            and self.done == other.done
-            and self.span.shape == other.span.shape
-            and bool(torch.equal(self.span, other.span))
-        )
+        return self.key == other.key
 
     @cached_property
     def key(self) -> tuple:
-        """What `same_as` compares, and the step, hashable: one lookup finds a state among a
-        tree's. The step counts too: the threshold rule reaches one block in different
+        """What makes two states one, hashable: one lookup finds a state among a tree's. The
+        step counts beside the tokens: the threshold rule reaches one block in different
         numbers of steps, and the next transition depends on the step (its coupled noise,
         the static rule's schedule)."""
         return (self.origin, self.step, self.done, tuple(self.span.tolist()))
