@@ -438,7 +438,7 @@ def test_spiffy_budget_takes_the_most_frequent_paths_and_predicts_its_acceptance
     drafter = SpiffyDrafter(graph, budget=2)
     assert graph.most_frequent(drafter.budget).paths == (((0, 0),), ((0, 0), (0, 0)))
     assert graph.most_frequent(3).paths == (((0, 0),), ((0, 0), (0, 0)), ((0, 0), (0, 0), (0, 0)))
-    assert graph.most_frequent(3, parents_first=False).paths == (
+    assert graph.paths_by_count[:3] == (
         ((0, 0),),
         ((0, 0), (0, 0)),
         ((0, 0), (0, 0), (0, 0)),

@@ -54,13 +54,20 @@ class DraftGraph:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(body, indent=1))
 
-    def most_frequent(self, budget: int, parents_first: bool = True) -> DraftGraph:
+    def _ranked(self) -> list[int]:
+        """Path indices, most frequent first; a path never counts more than its parent, and
+        on a tie the shorter comes first, so a parent still comes before its children."""
+        return sorted(range(len(self.paths)), key=lambda i: (-self.counts[i], len(self.paths[i])))
+
+    @property
+    def paths_by_count(self) -> tuple[Path_, ...]:
+        """Its paths, most frequent first (parents before their children)."""
+        return tuple(self.paths[i] for i in self._ranked())
+
+    def most_frequent(self, budget: int) -> DraftGraph:
         """The graph calibration would have kept with a smaller budget: its `budget` most
-        frequent paths (prefix-closed, since a path never counts more than its parent), in
-        the order of their paths (parents first) or of their counts (most frequent first;
-        a parent still before its children)."""
-        ranked = sorted(range(len(self.paths)), key=lambda i: (-self.counts[i], len(self.paths[i])))
-        kept = sorted(ranked[:budget]) if parents_first else ranked[:budget]
+        frequent paths (prefix-closed, since a path never counts more than its parent)."""
+        kept = sorted(self._ranked()[:budget])
         return DraftGraph(
             tuple(self.paths[i] for i in kept), tuple(self.counts[i] for i in kept), self.meta
         )
@@ -169,8 +176,7 @@ class SpiffyDrafter(BudgetedDrafter):
         self.calibrated = graph
         self.budget = len(graph.paths) if budget is None else min(budget, len(graph.paths))
         self.keep = keep
-        # most frequent first; a path never counts more than its prefix, so parents come first
-        self.ranked = graph.most_frequent(len(graph.paths), parents_first=False).paths
+        self.ranked = graph.paths_by_count
 
     def draft(self, inputs: Sequence[DraftInput], noise: StepNoise, budget: int) -> list[DraftTree]:
         return [self._tree(inp, noise, budget) for inp in inputs]
