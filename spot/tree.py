@@ -199,6 +199,8 @@ def verify_walk(tree: DraftTree, successor: Sequence[State]) -> list[int]:
     be. The next root is successor[path[-1]]; the steps advanced are len(path).
     """
     path = [0]
+    if len(tree.nodes) == 1:  # the root alone (draft-free): no state to key and look up
+        return path
     while True:
         nxt = successor[path[-1]]
         if nxt.done:
